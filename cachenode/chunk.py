@@ -1,0 +1,90 @@
+"""Chunk objects: one contiguous, layer-major buffer plus its metadata.
+
+A chunk's payload is ``shape = [layers, ...]`` elements of ``dtype``, laid out layer-major, so
+layers ``[a, b)`` are the contiguous byte range ``[a * layer_bytes, b * layer_bytes)`` and can
+be sent as a zero-copy slice.  Every layer carries its own XXH3-64 checksum: the node verifies
+all of them on PUT, and a client verifies each layer it receives, whole chunk or layer range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import xxhash
+
+from .errors import ProtocolError
+
+# Element sizes of the dtypes a KV cache is stored in.  bfloat16 and the fp8 types have no
+# NumPy dtype; chunks are opaque bytes to kvring, so only the size matters here.
+DTYPE_SIZES: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+MAX_DIMS = 8
+
+
+class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
+    """Shape, dtype, token count and per-layer checksums of one chunk."""
+
+    shape: list[int]
+    dtype: str
+    tokens: int
+    checksums: list[int]
+
+    @property
+    def layers(self) -> int:
+        return self.shape[0]
+
+    @property
+    def layer_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.layers * self.layer_bytes
+
+
+def layer_checksums(payload, layers: int) -> list[int]:
+    """XXH3-64 of each of ``layers`` equal slices of ``payload``."""
+    mv = memoryview(payload).cast("B")
+    step = len(mv) // layers
+    return [xxhash.xxh3_64_intdigest(mv[i * step:(i + 1) * step]) for i in range(layers)]
+
+
+def make_meta(payload, shape: tuple[int, ...] | list[int], dtype: str, tokens: int) -> ChunkMeta:
+    """Build and check the metadata of a payload (client side, before PUT)."""
+    shape = [int(d) for d in shape]
+    meta = ChunkMeta(shape=shape, dtype=str(dtype), tokens=int(tokens), checksums=[0] * (shape[0] if shape else 0))
+    validate_meta(meta, max_bytes=None)
+    n = memoryview(payload).nbytes
+    if n != meta.nbytes:
+        raise ProtocolError(f"payload is {n} bytes but shape {shape} of {dtype} needs {meta.nbytes}", "size_mismatch")
+    return msgspec.structs.replace(meta, checksums=layer_checksums(payload, shape[0]))
+
+
+def array_meta(arr: np.ndarray, tokens: int, dtype: str | None = None) -> ChunkMeta:
+    """``make_meta`` for a NumPy array (``dtype`` overrides, e.g. bf16 carried as uint16)."""
+    return make_meta(np.ascontiguousarray(arr), arr.shape, dtype or arr.dtype.name, tokens)
+
+
+def validate_meta(meta: ChunkMeta, max_bytes: int | None) -> None:
+    """Raise ``ProtocolError`` if ``meta`` cannot describe a valid chunk."""
+    if meta.dtype not in DTYPE_SIZES:
+        raise ProtocolError(f"unsupported dtype {meta.dtype!r}; one of {sorted(DTYPE_SIZES)}")
+    if not 1 <= len(meta.shape) <= MAX_DIMS:
+        raise ProtocolError(f"shape must have 1..{MAX_DIMS} dims, got {meta.shape}")
+    if any(d <= 0 for d in meta.shape):
+        raise ProtocolError(f"shape dims must be positive, got {meta.shape}")
+    if meta.tokens <= 0:
+        raise ProtocolError(f"token count must be positive, got {meta.tokens}")
+    if len(meta.checksums) != meta.shape[0]:
+        raise ProtocolError(f"{len(meta.checksums)} checksums for {meta.shape[0]} layers")
+    if max_bytes is not None and meta.nbytes > max_bytes:
+        raise ProtocolError(f"chunk of {meta.nbytes} bytes exceeds the maximum of {max_bytes}", "too_large")

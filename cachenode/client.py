@@ -1,0 +1,587 @@
+"""The cluster client: membership from etcd, routing on the ring, batched parallel I/O.
+
+``ClusterClient`` is the public Python API of the data plane.  It is safe to call from any
+number of plain threads (vLLM's worker is not asyncio): all I/O runs on one asyncio loop in
+a background thread that the client owns, and every public method blocks only its caller.
+
+Routing: each key goes to its owners on the ring (``replication`` distinct nodes, primary
+first).  Requests are batched — one request per node per call — and sent to all nodes in
+parallel.  A node that times out or cannot be reached is marked failed for
+``failure_backoff`` seconds and its keys are retried on the next owner.  After a ring change,
+a key missed on its new owner is looked for on its owner in the previous ring (the ring
+before the change), so moving ownership does not turn into a burst of misses.  If etcd goes
+away the client keeps routing with the last ring it had.
+
+GET verifies the XXH3 checksum of every layer it receives; a mismatch counts as a miss of
+that key (it is never returned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zmq
+import zmq.asyncio
+
+from . import protocol as P
+from .chunk import ChunkMeta, make_meta
+from .errors import KVRingError, MembershipError, NodeUnavailable, NoOwners, ProtocolError, RemoteError
+from .membership import Contract, Etcd, EtcdSettings, NodeRecord
+from .ring import HashRing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A chunk (or a layer range of it) read back from the cluster."""
+
+    key: bytes
+    meta: ChunkMeta
+    layer_start: int
+    layer_end: int
+    data: np.ndarray  # uint8, the layers [layer_start, layer_end) contiguous
+
+    def layer(self, i: int) -> memoryview:
+        lb = self.meta.layer_bytes
+        off = (i - self.layer_start) * lb
+        return memoryview(self.data)[off:off + lb]
+
+
+@dataclass(slots=True)
+class LayerBatch:
+    """One layer of several keys, as streamed by ``ClusterClient.iter_layers``."""
+
+    layer: int
+    indices: list[int]  # positions in the caller's key list
+    views: list[memoryview]  # that layer's bytes of each key, zero-copy from the socket
+
+
+class _Node:
+    """A DEALER socket to one node, its reader task, and the requests waiting on it."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, record: NodeRecord) -> None:
+        self.record = record
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10_000)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.connect(record.data_addr)
+        self.pending: dict[int, asyncio.Future | queue.Queue] = {}
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                frames = await self.sock.recv_multipart(copy=False)
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            try:
+                reply = P.decode_reply(frames[0].buffer)
+            except Exception:
+                logger.warning("undecodable reply from node %s dropped", self.record.node_id)
+                continue
+            waiter = self.pending.get(reply.rid)
+            if waiter is None:
+                continue  # a late reply to a request we stopped waiting for
+            if isinstance(waiter, queue.Queue):
+                waiter.put((reply, frames[1:]))
+                if isinstance(reply, P.Error) or (isinstance(reply, P.GetLayer) and reply.last) or (
+                        isinstance(reply, P.GetHead) and not any(reply.metas)):
+                    self.pending.pop(reply.rid, None)
+            else:
+                self.pending.pop(reply.rid, None)
+                if not waiter.done():
+                    waiter.set_result((reply, frames[1:]))
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.sock.close(linger=0)
+        for waiter in self.pending.values():
+            if isinstance(waiter, queue.Queue):
+                waiter.put(None)
+            elif not waiter.done():
+                waiter.cancel()
+        self.pending.clear()
+
+
+class ClusterClient:
+    """Client of one kvring cluster.
+
+    ``etcd`` is ``"host:port[,host:port]"`` or ``EtcdSettings``.  ``contract`` is checked
+    against the cluster's record (``ContractMismatch`` names the difference); with ``None``
+    the client adopts the recorded one.
+    """
+
+    def __init__(
+        self,
+        etcd: str | EtcdSettings,
+        *,
+        cluster: str = "default",
+        contract: Contract | None = None,
+        timeout: float = 5.0,
+        poll_interval: float = 0.5,
+        failure_backoff: float = 5.0,
+        handoff_window: float = 120.0,
+        verify: bool = True,
+    ) -> None:
+        self.settings = etcd if isinstance(etcd, EtcdSettings) else EtcdSettings.parse(etcd, cluster=cluster)
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self.failure_backoff = failure_backoff
+        self.handoff_window = handoff_window
+        self.verify = verify
+        self.contract: Contract | None = contract
+        self.ring = HashRing({}, epoch=0)
+        self.prev_ring: HashRing | None = None
+        self._prev_until = 0.0
+        self.members: dict[str, NodeRecord] = {}
+        self._failed: dict[str, float] = {}
+        self._rids = itertools.count(1)
+        self._nodes: dict[str, _Node] = {}
+        self._closed = False
+        self._ring_changed = threading.Condition()
+        self.etcd_ok = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvring-client", daemon=True)
+        self._thread.start()
+        self._ctx = zmq.asyncio.Context()
+        self._etcd = Etcd(self.settings)
+        try:
+            self._call(self._start(), timeout=self.settings.timeout * 4 + 2)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- lifecycle and membership -----------------------------------------------------------
+
+    def _call(self, coro, timeout: float | None = None):
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise NodeUnavailable(f"request did not finish within {timeout:.1f}s") from None
+
+    async def _start(self) -> None:
+        if self.contract is None:
+            self.contract = await self._etcd.read_contract() or Contract()
+        else:
+            self.contract = await self._etcd.ensure_contract(self.contract)
+        await self._refresh()
+        self._poller = asyncio.ensure_future(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self._refresh()
+            except MembershipError as exc:
+                if self.etcd_ok:
+                    logger.warning("etcd unreachable (%s); routing with the last ring (epoch %d)",
+                                   exc, self.ring.epoch)
+                self.etcd_ok = False
+
+    async def _refresh(self) -> None:
+        members, revision = await self._etcd.members()
+        self.etcd_ok = True
+        if members == self.members:
+            return
+        weights = {n: r.capacity for n, r in members.items() if r.state != "draining"}
+        ring = HashRing(weights, vnodes=self.contract.vnodes, replication=self.contract.replication, epoch=revision)
+        for node_id in list(self._nodes):
+            rec = members.get(node_id)
+            if rec is None or rec.data_addr != self._nodes[node_id].record.data_addr:
+                self._nodes.pop(node_id).close()
+        for node_id, rec in members.items():
+            if node_id not in self._nodes:
+                self._nodes[node_id] = _Node(self._ctx, rec)
+            else:
+                self._nodes[node_id].record = rec
+            if self.members.get(node_id) != rec:
+                self._failed.pop(node_id, None)  # a (re-)registered node gets a fresh chance
+        if self.ring.nodes and set(self.ring.nodes) != set(ring.nodes):
+            self.prev_ring, self._prev_until = self.ring, time.monotonic() + self.handoff_window
+        self.members, self.ring = members, ring
+        logger.info("ring epoch %d: %d nodes", revision, len(ring))
+        with self._ring_changed:
+            self._ring_changed.notify_all()
+
+    def wait_for_nodes(self, count: int, timeout: float = 10.0, exact: bool = False) -> bool:
+        """Block until the ring has ``count`` nodes (at least, or exactly)."""
+        deadline = time.monotonic() + timeout
+        with self._ring_changed:
+            while True:
+                n = len(self.ring)
+                if n == count or (not exact and n >= count):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._ring_changed.wait(min(left, 0.1))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown():
+            if getattr(self, "_poller", None):
+                self._poller.cancel()
+            for node in self._nodes.values():
+                node.close()
+            self._nodes.clear()
+            await self._etcd.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._ctx.term()
+        self._loop.close()
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    def owners(self, key: bytes) -> list[str]:
+        return self.ring.owners(key)
+
+    def _alive(self, node_id: str) -> bool:
+        until = self._failed.get(node_id)
+        return node_id in self._nodes and (until is None or until < time.monotonic())
+
+    def _mark_failed(self, node_id: str, why: str) -> None:
+        if self._alive(node_id):
+            logger.warning("node %s marked failed for %.0fs: %s", node_id, self.failure_backoff, why)
+        self._failed[node_id] = time.monotonic() + self.failure_backoff
+
+    def _candidates(self, key: bytes, ring: HashRing) -> list[str]:
+        owners = ring.owners(key)
+        alive = [n for n in owners if self._alive(n)]
+        return alive or [n for n in owners if n in self._nodes]
+
+    def _route(self, keys: Sequence[bytes], ring: HashRing, skip: dict[int, set[str]] | None = None):
+        """Group key indices by the first candidate owner not in ``skip[index]``."""
+        if not ring.nodes:
+            raise NoOwners(f"no active node in cluster {self.settings.cluster!r}; is `kvring up` running?")
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, key in enumerate(keys):
+            tried = skip.get(i, ()) if skip else ()
+            for node in self._candidates(key, ring):
+                if node not in tried:
+                    groups[node].append(i)
+                    break
+        return groups
+
+    def _previous_ring(self) -> HashRing | None:
+        if self.prev_ring is not None and time.monotonic() < self._prev_until:
+            return self.prev_ring
+        return None
+
+    # ---- requests (run on the loop) ---------------------------------------------------------
+
+    async def _request(self, node_id: str, msg, payloads=(), timeout: float | None = None):
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise NodeUnavailable(f"node {node_id} is not a member")
+        fut = self._loop.create_future()
+        node.pending[msg.rid] = fut
+        try:
+            await node.sock.send_multipart([P.encode(msg), *payloads], copy=False)
+            reply, frames = await asyncio.wait_for(fut, timeout or self.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            node.pending.pop(msg.rid, None)
+            self._mark_failed(node_id, "timed out")
+            raise NodeUnavailable(f"node {node_id} did not answer within {timeout or self.timeout:.1f}s") from None
+        except asyncio.CancelledError:
+            node.pending.pop(msg.rid, None)
+            raise NodeUnavailable(f"node {node_id} left the ring") from None
+        if isinstance(reply, P.Error):
+            raise RemoteError(reply.code, reply.message, node_id)
+        return reply, frames
+
+    async def _lookup_on(self, ring: HashRing, keys, idx_subset, lease_ms, present, skip) -> list[int]:
+        groups = self._route([keys[i] for i in idx_subset], ring, skip={
+            j: skip.get(i, set()) for j, i in enumerate(idx_subset)})
+        async def one(node_id, local):
+            idx = [idx_subset[j] for j in local]
+            try:
+                reply, _ = await self._request(node_id, P.Lookup(
+                    rid=next(self._rids), epoch=ring.epoch, keys=[keys[i] for i in idx], lease_ms=lease_ms))
+            except (NodeUnavailable, RemoteError) as exc:
+                logger.debug("lookup on %s failed: %s", node_id, exc)
+                for i in idx:
+                    skip.setdefault(i, set()).add(node_id)
+                return idx
+            for i, hit in zip(idx, reply.present):
+                present[i] = present[i] or hit
+            return []
+        failed = await asyncio.gather(*(one(n, local) for n, local in groups.items()))
+        return [i for f in failed for i in f]
+
+    async def _lookup(self, keys: list[bytes], lease_ms: int) -> list[bool]:
+        present = [False] * len(keys)
+        skip: dict[int, set[str]] = {}
+        todo = list(range(len(keys)))
+        for _ in range(self.contract.replication):  # retry on the next owner after a failure
+            todo = await self._lookup_on(self.ring, keys, todo, lease_ms, present, skip)
+            if not todo:
+                break
+        prev = self._previous_ring()
+        if prev is not None:
+            missed = [i for i, hit in enumerate(present)
+                      if not hit and set(prev.owners(keys[i])) - set(self.ring.owners(keys[i]))]
+            if missed:
+                await self._lookup_on(prev, keys, missed, lease_ms, present, {
+                    i: set(self.ring.owners(keys[i])) for i in missed})
+        return present
+
+    async def _put(self, items) -> list[int]:
+        """PUT every item to all its owners; returns the number of replicas stored per item."""
+        stored = [0] * len(items)
+        errors: list[str] = []
+
+        async def one(i, node_id, meta, payload):
+            try:
+                await self._request(node_id, P.Put(rid=next(self._rids), epoch=self.ring.epoch,
+                                                   key=items[i][0], meta=meta), [payload])
+                stored[i] += 1
+            except (NodeUnavailable, RemoteError) as exc:
+                errors.append(str(exc))
+
+        jobs = []
+        for i, (key, meta, payload) in enumerate(items):
+            for node_id in self._candidates(key, self.ring):
+                jobs.append(one(i, node_id, meta, payload))
+        if not self.ring.nodes:
+            raise NoOwners(f"no active node in cluster {self.settings.cluster!r}; is `kvring up` running?")
+        await asyncio.gather(*jobs)
+        if errors and not any(stored):
+            raise KVRingError(f"no replica stored: {errors[0]}")
+        if errors:
+            logger.debug("%d replica writes failed, first: %s", len(errors), errors[0])
+        return stored
+
+    async def _simple(self, node_id: str, msg):
+        reply, _ = await self._request(node_id, msg)
+        return reply
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[bool]:
+        """Presence of each key (one batched request per owner node, in parallel).
+
+        ``lease_ms`` asks the nodes to keep the present chunks from eviction that long.
+        """
+        if not keys:
+            return []
+        return self._call(self._lookup(list(keys), lease_ms), timeout=self.timeout * 3 + 1)
+
+    def lookup_prefix(self, keys: Sequence[bytes], lease_ms: int = 0) -> int:
+        """How many leading keys of a chain are all present."""
+        n = 0
+        for hit in self.lookup(keys, lease_ms):
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def put(self, key: bytes, payload, shape: Sequence[int], dtype: str, tokens: int) -> int:
+        """Store one layer-major chunk on its owners; returns how many replicas stored it."""
+        return self.put_many([(key, payload, shape, dtype, tokens)])[0]
+
+    def put_array(self, key: bytes, arr: np.ndarray, tokens: int, dtype: str | None = None) -> int:
+        """``put`` of a NumPy array, layer-major (``dtype`` overrides, e.g. bf16 carried as uint16)."""
+        arr = np.ascontiguousarray(arr)
+        return self.put(key, arr, arr.shape, dtype or arr.dtype.name, tokens)
+
+    def put_many(self, items: Sequence[tuple[bytes, object, Sequence[int], str, int]]) -> list[int]:
+        """Store many chunks ``(key, payload, shape, dtype, tokens)`` in parallel."""
+        prepared = []
+        for key, payload, shape, dtype, tokens in items:
+            if isinstance(payload, np.ndarray):
+                payload = np.ascontiguousarray(payload)
+            prepared.append((bytes(key), make_meta(payload, shape, dtype, tokens), payload))
+        if not prepared:
+            return []
+        total = sum(memoryview(p).nbytes for _, _, p in prepared)
+        return self._call(self._put(prepared), timeout=self.timeout * 2 + total / 100e6)
+
+    def get(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None) -> list[Chunk | None]:
+        """Read chunks (whole, or layers ``[start, end)``); ``None`` where a key is missing."""
+        keys = list(keys)
+        found: list[ChunkMeta | None] = [None] * len(keys)
+        out: list[Chunk | None] = [None] * len(keys)
+        start = layers[0] if layers is not None else 0
+        for batch in self.iter_layers(keys, layers, found):
+            for i, view in zip(batch.indices, batch.views):
+                chunk = out[i]
+                if chunk is None or chunk.meta is not found[i]:
+                    meta = found[i]
+                    end = meta.layers if layers is None or layers[1] == -1 else layers[1]
+                    chunk = out[i] = Chunk(keys[i], meta, start, end,
+                                           np.empty((end - start) * meta.layer_bytes, dtype=np.uint8))
+                off = (batch.layer - start) * chunk.meta.layer_bytes
+                chunk.data[off:off + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+        return [c if found[i] is not None else None for i, c in enumerate(out)]
+
+    def iter_layers(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
+                    found: list | None = None) -> Iterator[LayerBatch]:
+        """Stream layers as they arrive: one ``LayerBatch`` per node and layer.
+
+        ``found`` (a list as long as ``keys``), if given, receives each key's ``ChunkMeta`` as
+        its head arrives, and is ``None`` at the end for every key that could not be read
+        whole (missing everywhere, node lost with no replica left, checksum mismatch).
+        Layers of different nodes interleave; within a node they arrive in order.  After a
+        failover a key's layers may be delivered again from another replica (same bytes), so
+        consumers must treat deliveries as idempotent writes.
+        """
+        keys = list(keys)
+        start, end = layers if layers is not None else (0, -1)
+        if start < 0 or (end != -1 and end <= start):
+            raise ValueError(f"layer range {layers} is empty or negative")
+        found = found if found is not None else [None] * len(keys)
+        done = [False] * len(keys)
+        results: queue.Queue = queue.Queue()
+        skip: dict[int, set[str]] = {}
+        ring, used_prev = self.ring, False
+        todo = list(range(len(keys)))
+        for _ in range(self.contract.replication + 2):
+            if not todo:
+                break
+            groups = self._route([keys[i] for i in todo], ring,
+                                 skip={j: skip.get(i, set()) for j, i in enumerate(todo)})
+            streams: dict[int, tuple[str, list[int], list[int]]] = {}
+            for node_id, local in groups.items():
+                idx = [todo[j] for j in local]
+                msg = P.Get(rid=next(self._rids), epoch=ring.epoch, keys=[keys[i] for i in idx],
+                            layer_start=start, layer_end=end)
+                streams[msg.rid] = (node_id, idx, [])
+                self._loop.call_soon_threadsafe(self._send_stream, node_id, msg, results)
+            retry: list[int] = []
+            missing: list[int] = []
+            while streams:
+                try:
+                    item = results.get(timeout=self.timeout)
+                except queue.Empty:
+                    item = None
+                if item is None:  # timeout or client closing: every open stream failed
+                    for rid, (node_id, idx, got) in streams.items():
+                        self._loop.call_soon_threadsafe(self._forget, node_id, rid)
+                        self._mark_failed(node_id, "GET timed out")
+                        retry.extend(idx)
+                    streams.clear()
+                    break
+                reply, frames = item
+                if reply.rid not in streams:
+                    continue
+                node_id, idx, got = streams[reply.rid]
+                if isinstance(reply, P.Error):
+                    if reply.code == "bad_range":
+                        raise RemoteError(reply.code, reply.message, node_id)
+                    retry.extend(idx)
+                    del streams[reply.rid]
+                elif isinstance(reply, P.GetHead):
+                    if len(reply.metas) != len(idx):
+                        retry.extend(idx)
+                        del streams[reply.rid]
+                        continue
+                    for i, meta in zip(idx, reply.metas):
+                        found[i] = meta
+                        (got if meta is not None else missing).append(i)
+                    if not got:
+                        del streams[reply.rid]
+                elif isinstance(reply, P.GetLayer):
+                    good_idx, good_views = [], []
+                    for i, view, checksum in zip(got, frames, reply.checksums):
+                        buf = view.buffer
+                        if self.verify and xxhash.xxh3_64_intdigest(buf) != checksum:
+                            logger.warning("checksum mismatch in layer %d of a chunk from %s", reply.layer, node_id)
+                            found[i] = None
+                            retry.append(i)
+                            continue
+                        if found[i] is not None:
+                            good_idx.append(i)
+                            good_views.append(buf)
+                    if good_idx:
+                        yield LayerBatch(reply.layer, good_idx, good_views)
+                    if reply.last:
+                        for i in got:
+                            done[i] = found[i] is not None
+                        del streams[reply.rid]
+            owner_of = {i: n for n, local in groups.items() for i in (todo[j] for j in local)}
+            for i in retry:
+                found[i] = None
+                skip.setdefault(i, set()).add(owner_of.get(i, ""))
+            todo = sorted(set(i for i in retry if not done[i]))
+            prev = self._previous_ring()
+            if not todo and not used_prev and prev is not None:
+                moved = [i for i in missing if not done[i]
+                         and set(prev.owners(keys[i])) - set(self.ring.owners(keys[i]))]
+                if moved:
+                    ring, used_prev, todo = prev, True, moved
+                    for i in moved:
+                        skip[i] = set(self.ring.owners(keys[i]))
+        for i in range(len(keys)):
+            if not done[i]:
+                found[i] = None
+
+    def _send_stream(self, node_id: str, msg: P.Get, results: queue.Queue) -> None:
+        node = self._nodes.get(node_id)
+        if node is None:
+            results.put((P.Error(rid=msg.rid, code="gone", message=f"node {node_id} left"), []))
+            return
+        node.pending[msg.rid] = results
+        asyncio.ensure_future(node.sock.send_multipart([P.encode(msg)], copy=False))
+
+    def _forget(self, node_id: str, rid: int) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.pending.pop(rid, None)
+
+    def stats(self) -> dict[str, dict]:
+        """STATS of every member (``{"error": ...}`` for nodes that do not answer)."""
+        async def all_stats():
+            async def one(node_id):
+                try:
+                    return node_id, (await self._simple(node_id, P.Stats(rid=next(self._rids)))).stats
+                except KVRingError as exc:
+                    return node_id, {"error": str(exc)}
+            return dict(await asyncio.gather(*(one(n) for n in sorted(self._nodes))))
+        return self._call(all_stats(), timeout=self.timeout + 1)
+
+    def ping(self, node_id: str) -> float:
+        """Round-trip time to one node in seconds."""
+        t0 = time.perf_counter()
+        self._call(self._simple(node_id, P.Ping(rid=next(self._rids))), timeout=self.timeout + 1)
+        return time.perf_counter() - t0
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete keys from all their owners; returns how many chunk copies were removed."""
+        keys = list(keys)
+        async def run():
+            groups: dict[str, list[bytes]] = defaultdict(list)
+            for key in keys:
+                for node_id in self.ring.owners(key):
+                    groups[node_id].append(key)
+            replies = await asyncio.gather(*(self._simple(n, P.Delete(rid=next(self._rids), keys=ks))
+                                             for n, ks in groups.items()), return_exceptions=True)
+            return sum(r.deleted for r in replies if isinstance(r, P.DeleteReply))
+        return self._call(run(), timeout=self.timeout + 1)

@@ -1,0 +1,46 @@
+"""Prometheus metrics of one cache node, on a registry of its own (no process globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .protocol import ERROR_CODES
+
+OPS = ("ping", "lookup", "get", "put", "delete", "stats", "keys")
+_LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+
+
+class NodeMetrics:
+    def __init__(self, store) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Gauge("kvring_node_bytes_used", "Bytes of chunks stored", registry=r).set_function(lambda: store.used)
+        Gauge("kvring_node_capacity_bytes", "The node's cache budget in bytes", registry=r).set_function(
+            lambda: store.capacity)
+        Gauge("kvring_node_chunks", "Chunks stored", registry=r).set_function(lambda: len(store))
+        Gauge("kvring_node_leased_bytes", "Bytes under lookup leases", registry=r).set_function(
+            store.leased_bytes)
+        self.evictions = Gauge("kvring_node_evictions_total", "Chunks evicted to make room", registry=r)
+        self.evictions.set_function(lambda: store.evictions)
+        self.hits = Counter("kvring_node_hits", "Keys found by LOOKUP or GET", registry=r)
+        self.misses = Counter("kvring_node_misses", "Keys not found by LOOKUP or GET", registry=r)
+        self.errors = Counter("kvring_node_errors", "Requests answered with an error, by kind", ["kind"], registry=r)
+        for code in ERROR_CODES:
+            self.errors.labels(code)
+        self.bytes_in = Counter("kvring_node_received_bytes", "Payload bytes received (PUT)", registry=r)
+        self.bytes_out = Counter("kvring_node_sent_bytes", "Payload bytes sent (GET)", registry=r)
+        self.latency = Histogram("kvring_node_op_seconds", "Time to handle a request, by operation", ["op"],
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self._op_latency = {op: self.latency.labels(op) for op in OPS}
+        self._errors = {code: self.errors.labels(code) for code in ERROR_CODES}
+        self.error_tally = dict.fromkeys(ERROR_CODES, 0)
+
+    def observe(self, op: str, seconds: float) -> None:
+        hist = self._op_latency.get(op)
+        if hist is not None:
+            hist.observe(seconds)
+
+    def error(self, code: str) -> None:
+        code = code if code in self._errors else "internal"
+        self._errors[code].inc()
+        self.error_tally[code] += 1

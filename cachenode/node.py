@@ -1,0 +1,365 @@
+"""One cache node: the chunk store behind a ZMQ ROUTER socket, an admin/metrics HTTP port, and
+registration in etcd.
+
+Threads: the main thread runs the data loop (all store access happens there); a daemon thread
+serves HTTP; another runs an asyncio loop that keeps the etcd registration alive.  SIGTERM or
+SIGINT stops the loop, revokes the lease (the node leaves the ring at once) and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import msgspec
+import xxhash
+import zmq
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from . import protocol as P
+from .chunk import validate_meta
+from .errors import ContractMismatch, MembershipError, ProtocolError
+from .membership import Contract, Etcd, EtcdSettings, NodeRecord, Registrar
+from .metrics import NodeMetrics
+from .policy import make_policy
+from .store import ChunkStore, StoreFull
+
+logger = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 1 << 20
+MAX_KEY_BYTES = 64
+MAX_KEYS_PER_REQUEST = 65_536
+MAX_LEASE_MS = 60_000
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Settings of one node, built once in ``main`` (see ``kvring node --help``)."""
+
+    node_id: str
+    memory: int
+    host: str = "127.0.0.1"
+    data_port: int = 0
+    admin_port: int = 0
+    advertise_host: str | None = None
+    max_chunk_bytes: int = 256 << 20
+    policy: str = "lru"
+    max_leased_fraction: float = 0.5
+    etcd: EtcdSettings | None = None
+    lease_ttl: int = 10
+    contract: Contract = field(default_factory=Contract)
+
+    def __post_init__(self) -> None:
+        if not self.node_id or "/" in self.node_id:
+            raise ValueError(f"node id {self.node_id!r} must be non-empty and contain no '/'")
+        if self.memory <= 0:
+            raise ValueError("--memory must be positive, e.g. --memory 4GiB")
+        if not 0 < self.max_chunk_bytes <= self.memory:
+            raise ValueError(f"--max-chunk-bytes must be in (0, memory={self.memory}]")
+        if not 0.0 <= self.max_leased_fraction < 1.0:
+            raise ValueError("--max-leased-fraction must be in [0, 1)")
+        if self.lease_ttl < 1:
+            raise ValueError("--lease-ttl must be at least 1 second")
+        make_policy(self.policy)
+
+
+class CacheNode:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.store = ChunkStore(config.memory, make_policy(config.policy), config.max_leased_fraction)
+        self.metrics = NodeMetrics(self.store)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_chunk_bytes + MAX_HEADER_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, 256)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if config.data_port:
+            self.sock.bind(f"tcp://{config.host}:{config.data_port}")
+            self.data_port = config.data_port
+        else:
+            self.data_port = self.sock.bind_to_random_port(f"tcp://{config.host}")
+        self.http = ThreadingHTTPServer((config.host, config.admin_port), _make_http_handler(self))
+        self.http.daemon_threads = True
+        self.admin_port = self.http.server_address[1]
+        adv = config.advertise_host or config.host
+        self.record = NodeRecord(
+            node_id=config.node_id,
+            data_addr=f"tcp://{adv}:{self.data_port}",
+            admin_addr=f"http://{adv}:{self.admin_port}",
+            capacity=config.memory,
+            pid=os.getpid(),
+        )
+        self.registrar: Registrar | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self.fatal: str | None = None
+        self.started = time.time()
+        self._handlers = {
+            P.Ping: self._ping, P.Lookup: self._lookup, P.Get: self._get, P.Put: self._put,
+            P.Delete: self._delete, P.Stats: self._stats, P.ListKeys: self._keys,
+        }
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start_background(self) -> None:
+        threading.Thread(target=self.http.serve_forever, name="kvring-http", daemon=True).start()
+        if self.config.etcd is not None:
+            ready = threading.Event()
+            threading.Thread(target=self._membership_thread, args=(ready,), name="kvring-etcd", daemon=True).start()
+            ready.wait(self.config.etcd.timeout * 3 + 1)
+            if self.fatal:
+                raise ContractMismatch(self.fatal)
+
+    def _membership_thread(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        etcd = Etcd(self.config.etcd)
+        self.registrar = Registrar(etcd, self.record, self.config.contract, ttl=self.config.lease_ttl)
+
+        async def main() -> None:
+            try:
+                await self.registrar.register_once()
+                logger.info("node %s registered in etcd as %s", self.config.node_id, self.record.data_addr)
+            except MembershipError as exc:
+                logger.warning("etcd unreachable at start (%s); serving anyway, will register when it is back", exc)
+            except ContractMismatch as exc:
+                self.fatal = str(exc)
+                ready.set()
+                return
+            ready.set()
+            try:
+                await self.registrar.run()
+            except ContractMismatch as exc:
+                self.fatal = str(exc)
+                logger.error("%s", exc)
+                self._stop.set()
+
+        loop.run_until_complete(main())
+
+    def set_state(self, state: str) -> None:
+        if self.registrar is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.registrar.set_state, state)
+        self.record = msgspec.structs.replace(self.record, state=state)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            for _ in range(256):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self.handle(frames)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self.registrar is not None and self._loop is not None and self._loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(self.registrar.deregister(), self._loop)
+            try:
+                fut.result(timeout=2)
+            except Exception:
+                logger.warning("could not revoke the etcd lease; it will expire by itself")
+        self.http.shutdown()
+        self.sock.close(linger=0)
+
+    # ---- request handling -------------------------------------------------------------------
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0]
+        if len(frames) < 2:
+            return self._error(ident, 0, "frame_count", "a request needs a header frame")
+        t0 = time.perf_counter()
+        header = frames[1]
+        rid = 0
+        try:
+            if len(header) > MAX_HEADER_BYTES:
+                raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}", "bad_header")
+            try:
+                req = P.decode_request(header.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                rid, code = P.salvage_rid(header.buffer)
+                raise ProtocolError(f"cannot decode header: {exc}", code) from None
+            rid = req.rid
+            if req.v != P.PROTOCOL_VERSION:
+                raise ProtocolError(f"protocol version {req.v} is not supported (this node speaks "
+                                    f"{P.PROTOCOL_VERSION})", "version")
+            handler = self._handlers[type(req)]
+            payloads = frames[2:]
+            if not isinstance(req, P.Put) and payloads:
+                raise ProtocolError(f"{type(req).__name__} takes no payload frames, got {len(payloads)}",
+                                    "frame_count")
+            handler(ident, req, payloads)
+            self.metrics.observe(type(req).__struct_config__.tag, time.perf_counter() - t0)
+        except ProtocolError as exc:
+            self._error(ident, rid, exc.code, str(exc))
+        except Exception as exc:  # a bug must not take the node down
+            logger.exception("internal error handling a request")
+            self._error(ident, rid, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _send(self, ident, msg, payloads=()) -> None:
+        self.sock.send_multipart([ident, P.encode(msg), *payloads], copy=False)
+
+    def _error(self, ident, rid: int, code: str, message: str) -> None:
+        self.metrics.error(code)
+        self._send(ident, P.Error(rid=rid, code=code, message=message))
+
+    @staticmethod
+    def _check_keys(keys: list[bytes]) -> None:
+        if len(keys) > MAX_KEYS_PER_REQUEST:
+            raise ProtocolError(f"{len(keys)} keys in one request; the maximum is {MAX_KEYS_PER_REQUEST}",
+                                "too_many_keys")
+        for key in keys:
+            if not 0 < len(key) <= MAX_KEY_BYTES:
+                raise ProtocolError(f"keys must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}", "bad_key")
+
+    def _ping(self, ident, req: P.Ping, _) -> None:
+        self._send(ident, P.Pong(rid=req.rid, node_id=self.config.node_id))
+
+    def _lookup(self, ident, req: P.Lookup, _) -> None:
+        self._check_keys(req.keys)
+        present = self.store.lookup(req.keys, min(max(req.lease_ms, 0), MAX_LEASE_MS))
+        hits = sum(present)
+        self.metrics.hits.inc(hits)
+        self.metrics.misses.inc(len(present) - hits)
+        self._send(ident, P.LookupReply(rid=req.rid, present=present))
+
+    def _get(self, ident, req: P.Get, _) -> None:
+        self._check_keys(req.keys)
+        entries = [self.store.get(k) for k in req.keys]
+        found = [e for e in entries if e is not None]
+        self.metrics.hits.inc(len(found))
+        self.metrics.misses.inc(len(entries) - len(found))
+        if found:
+            layers = min(e.meta.layers for e in found)
+            end = layers if req.layer_end == -1 else req.layer_end
+            if not 0 <= req.layer_start < end <= layers:
+                raise ProtocolError(f"layer range [{req.layer_start}, {req.layer_end}) is outside the "
+                                    f"stored chunks' {layers} layers", "bad_range")
+        self._send(ident, P.GetHead(rid=req.rid, metas=[e.meta if e else None for e in entries]))
+        if not found:
+            return
+        sent = 0
+        for layer in range(req.layer_start, end):
+            views = []
+            for e in found:
+                lb = e.meta.layer_bytes
+                views.append(e.buf[layer * lb:(layer + 1) * lb])
+                sent += lb
+            msg = P.GetLayer(rid=req.rid, layer=layer, checksums=[e.meta.checksums[layer] for e in found],
+                             last=layer == end - 1)
+            self._send(ident, msg, views)
+        self.metrics.bytes_out.inc(sent)
+
+    def _put(self, ident, req: P.Put, payloads) -> None:
+        if len(payloads) != 1:
+            raise ProtocolError(f"PUT takes exactly one payload frame, got {len(payloads)}", "frame_count")
+        self._check_keys([req.key])
+        validate_meta(req.meta, self.config.max_chunk_bytes)
+        buf = payloads[0].buffer
+        if buf.nbytes != req.meta.nbytes:
+            raise ProtocolError(f"payload is {buf.nbytes} bytes, shape {req.meta.shape} of {req.meta.dtype} "
+                                f"needs {req.meta.nbytes}", "size_mismatch")
+        lb = req.meta.layer_bytes
+        for layer, expected in enumerate(req.meta.checksums):
+            if xxhash.xxh3_64_intdigest(buf[layer * lb:(layer + 1) * lb]) != expected:
+                raise ProtocolError(f"checksum of layer {layer} does not match; chunk rejected", "checksum")
+        try:
+            stored = self.store.put(req.key, req.meta, buf)
+        except StoreFull as exc:
+            raise ProtocolError(str(exc), "no_space") from None
+        self.metrics.bytes_in.inc(buf.nbytes)
+        self._send(ident, P.PutReply(rid=req.rid, stored=stored))
+
+    def _delete(self, ident, req: P.Delete, _) -> None:
+        self._check_keys(req.keys)
+        deleted = sum(self.store.delete(k) for k in req.keys)
+        self._send(ident, P.DeleteReply(rid=req.rid, deleted=deleted))
+
+    def _stats(self, ident, req: P.Stats, _) -> None:
+        self._send(ident, P.StatsReply(rid=req.rid, stats=self.stats()))
+
+    def _keys(self, ident, req: P.ListKeys, _) -> None:
+        limit = min(max(req.limit, 0), MAX_KEYS_PER_REQUEST)
+        keys = sorted(k for k in self.store.keys() if k > req.after)[:limit]
+        self._send(ident, P.KeysReply(rid=req.rid, keys=keys))
+
+    def stats(self) -> dict:
+        m = self.metrics
+        return {
+            "node_id": self.config.node_id,
+            "state": self.record.state,
+            "data_addr": self.record.data_addr,
+            "admin_addr": self.record.admin_addr,
+            "capacity": self.store.capacity,
+            "used": self.store.used,
+            "chunks": len(self.store),
+            "evictions": self.store.evictions,
+            "leased_bytes": self.store.leased_bytes(),
+            "hits": int(m.hits._value.get()),
+            "misses": int(m.misses._value.get()),
+            "errors": dict(m.error_tally),
+            "registered": bool(self.registrar and self.registrar.registered.is_set()),
+            "uptime_s": round(time.time() - self.started, 3),
+            "pid": os.getpid(),
+        }
+
+
+def _make_http_handler(node: CacheNode):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                self._reply(200, b"ok\n", "text/plain")
+            elif path == "/readyz":
+                ready = node.config.etcd is None or (node.registrar is not None and node.registrar.registered.is_set())
+                ready = ready and node.record.state != "draining"
+                self._reply(200 if ready else 503, b"ready\n" if ready else b"not ready\n", "text/plain")
+            elif path == "/metrics":
+                self._reply(200, generate_latest(node.metrics.registry), CONTENT_TYPE_LATEST)
+            elif path == "/stats":
+                self._reply(200, json.dumps(node.stats()).encode(), "application/json")
+            else:
+                self._reply(404, b"not found; try /healthz /readyz /metrics /stats\n", "text/plain")
+
+        def _reply(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt, *args) -> None:
+            logger.debug("http: " + fmt, *args)
+
+    return Handler
+
+
+def run_node(config: NodeConfig) -> int:
+    """Run a node until SIGTERM/SIGINT; prints one READY line with its addresses for launchers."""
+    node = CacheNode(config)
+    try:
+        node.start_background()
+    except ContractMismatch as exc:
+        logger.error("%s", exc)
+        print(f"error: {exc}", flush=True)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: node.stop())
+    print(f"READY node={config.node_id} data={node.record.data_addr} admin={node.record.admin_addr}", flush=True)
+    node.serve_forever()
+    return 2 if node.fatal else 0

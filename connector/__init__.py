@@ -1,0 +1,1 @@
+"""The vLLM connector (KVConnectorBase_V1); see the connector issue."""

@@ -1,0 +1,3 @@
+"""kvring: a distributed KV cache for LLM serving."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,200 @@
+"""The ``kvring`` command line."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvring.units import format_size, parse_size
+
+app = typer.Typer(help="kvring: a distributed KV cache for LLM serving.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks (each prints a table; --json and --plot write files).",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+EtcdOpt = Annotated[str, typer.Option("--etcd", help="etcd endpoints, host:port[,host:port].")]
+ClusterOpt = Annotated[str, typer.Option("--cluster", help="Cluster name (a key prefix in etcd).")]
+
+
+def _size(value: str, flag: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=flag) from None
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def node(
+    node_id: Annotated[str, typer.Option("--node-id", help="Stable id; a restarted node takes its old place.")],
+    etcd: EtcdOpt,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget, e.g. 4GiB.")] = "1GiB",
+    cluster: ClusterOpt = "default",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    advertise_host: Annotated[str | None, typer.Option(help="Address others reach this node at.")] = None,
+    data_port: Annotated[int, typer.Option(help="ZMQ data port (0: any free port).")] = 0,
+    admin_port: Annotated[int, typer.Option(help="HTTP port for /healthz /readyz /metrics (0: any).")] = 0,
+    max_chunk_bytes: Annotated[str, typer.Option(help="Largest chunk accepted.")] = "256MiB",
+    policy: Annotated[str, typer.Option(help="Eviction policy: lru or fifo.")] = "lru",
+    lease_ttl: Annotated[int, typer.Option(help="etcd lease TTL in seconds.")] = 10,
+    chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.")] = 256,
+    vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).")] = 1024,
+    replication: Annotated[int, typer.Option(help="Contract: owners per chunk.")] = 1,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run one cache node: the ZMQ data port, the HTTP admin port, and registration in etcd."""
+    from kvring.cachenode.membership import Contract, EtcdSettings
+    from kvring.cachenode.node import NodeConfig, run_node
+
+    _logging(verbose)
+    try:
+        config = NodeConfig(
+            node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
+            admin_port=admin_port, advertise_host=advertise_host,
+            max_chunk_bytes=_size(max_chunk_bytes, "--max-chunk-bytes"), policy=policy,
+            etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl,
+            contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    raise typer.Exit(run_node(config))
+
+
+@app.command()
+def up(
+    nodes: Annotated[int, typer.Option("--nodes", help="Number of cache nodes.", min=1)] = 3,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "1GiB",
+    etcd: Annotated[str | None, typer.Option("--etcd", help="Use this etcd instead of starting one.")] = None,
+    cluster: ClusterOpt = "default",
+    replication: Annotated[int, typer.Option(help="Owners per chunk.", min=1)] = 1,
+    demo: Annotated[bool, typer.Option("--demo", help="Run a short workload, then stop.")] = False,
+) -> None:
+    """Start a local cluster (etcd + N nodes on loopback) and keep it up until Ctrl-C/SIGTERM."""
+    from kvring.cachenode.membership import Contract
+    from kvring.local import LocalCluster
+
+    contract = Contract(replication=replication)
+    cluster_ = LocalCluster(nodes=nodes, memory=_size(memory, "--memory"), etcd=etcd, cluster=cluster,
+                            contract=contract)
+    stop = {"now": False}
+
+    def on_signal(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster_.start()
+    except FileNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    try:
+        typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
+        for n in cluster_.nodes:
+            typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
+        typer.echo("Connector settings (kv_connector_extra_config):")
+        typer.echo(f'  {{"etcd": "{cluster_.etcd}", "cluster": "{cluster}"}}')
+        typer.echo(f"  environment: KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster}")
+        typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
+        if demo:
+            from kvring.workload import demo_workload
+            demo_workload(cluster_.etcd, cluster, echo=typer.echo)
+            return
+        typer.echo("Press Ctrl-C to stop.")
+        while not stop["now"]:
+            for n in cluster_.nodes:
+                if n.proc.poll() is not None:
+                    typer.echo(f"warning: {n.node_id} exited with code {n.proc.returncode}", err=True)
+            time.sleep(0.2)
+    finally:
+        typer.echo("stopping ...")
+        cluster_.close()
+        typer.echo("stopped.")
+
+
+@app.command()
+def ring(
+    etcd: EtcdOpt,
+    cluster: ClusterOpt = "default",
+    key: Annotated[list[str] | None, typer.Option("--key", help="Show the owners of this key (hex, or text).")] = None,
+) -> None:
+    """Show the ring: members, epoch, balance, and the owners of given keys."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvring.cachenode.client import ClusterClient
+
+    console = Console()
+    with ClusterClient(etcd, cluster=cluster) as client:
+        r = client.ring
+        shares = r.shares()
+        stats = client.stats()
+        total_cap = sum(r.weights.values()) or 1
+        table = Table(title=f"cluster {cluster!r}: epoch {r.epoch}, {len(r)} nodes, vnodes {r.vnodes}, "
+                            f"replication {r.replication}, balance {r.balance():.3f} (max/mean)")
+        for col in ("node", "state", "data address", "capacity", "used", "chunks", "ring share", "target"):
+            table.add_column(col, justify="right" if col not in ("node", "state", "data address") else "left")
+        for node_id, rec in sorted(client.members.items()):
+            st = stats.get(node_id, {})
+            table.add_row(node_id, rec.state, rec.data_addr, format_size(rec.capacity),
+                          format_size(st["used"]) if "used" in st else "?", str(st.get("chunks", "?")),
+                          f"{shares.get(node_id, 0):.2%}", f"{rec.capacity / total_cap:.2%}")
+        console.print(table)
+        for k in key or []:
+            try:
+                raw = bytes.fromhex(k)
+            except ValueError:
+                raw = k.encode()
+            console.print(f"key {raw.hex()}: owners {', '.join(client.owners(raw)) or '(none)'}")
+
+
+@bench_app.command("data-plane")
+def bench_data_plane(
+    etcd: Annotated[str | None, typer.Option("--etcd", help="Use a running cluster (default: start 3 nodes).")] = None,
+    cluster: ClusterOpt = "default",
+    iterations: Annotated[int, typer.Option(help="Repetitions per measurement.")] = 20,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    quick: Annotated[bool, typer.Option(help="Fewer and smaller measurements (for smoke tests).")] = False,
+) -> None:
+    """GET/PUT throughput and LOOKUP latency vs raw ZMQ and Redis."""
+    from kvring.bench_dataplane import run_data_plane_bench
+
+    run_data_plane_bench(etcd=etcd, cluster=cluster, iterations=iterations, json_out=json_out, plot=plot,
+                         quick=quick)
+
+
+@app.command()
+def trace(
+    file: Annotated[Path, typer.Argument(help="Trace in Mooncake FAST'25 format (JSON lines).", exists=True)],
+    nodes: Annotated[int, typer.Option(help="Cache nodes.", min=1)] = 3,
+    memory: Annotated[str, typer.Option(help="Memory per node.")] = "1GiB",
+    etcd: Annotated[str | None, typer.Option("--etcd", help="Use a running cluster (default: start one).")] = None,
+    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
+    block_bytes: Annotated[str, typer.Option(help="Bytes stored per 512-token block.")] = "64KiB",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Replay a request trace against a cluster: hit rate vs an ideal LRU, balance of bytes and load."""
+    from kvring.trace import run_trace
+
+    run_trace(file, nodes=nodes, memory=_size(memory, "--memory"), etcd=etcd, limit=limit,
+              block_bytes=_size(block_bytes, "--block-bytes"), json_out=json_out, plot=plot)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Run a kvring cluster on this machine: a local etcd plus node processes on loopback.
+
+Used by ``kvring up``, the benchmarks and the tests.  Every process is started in its own
+process group and stopped (SIGTERM, then SIGKILL) on ``close()``, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from kvring.cachenode.membership import Contract
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_etcd() -> str:
+    path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+    if path is None:
+        raise FileNotFoundError(
+            "the etcd binary was not found; install it (Debian: `apt-get install etcd-server`) or pass "
+            "--etcd host:port of a running etcd")
+    return path
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class LocalEtcd:
+    """A throw-away etcd server on free loopback ports with a temporary data dir."""
+
+    def __init__(self) -> None:
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.data_dir = tempfile.mkdtemp(prefix="kvring-etcd-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 15.0) -> LocalEtcd:
+        url = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [find_etcd(), "--name", "kvring", "--data-dir", self.data_dir,
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvring={peer}", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with code {self.proc.returncode} at start")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"etcd did not become healthy within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+@dataclass
+class NodeProcess:
+    """One ``kvring node`` child process."""
+
+    node_id: str
+    memory: int
+    etcd: str
+    cluster: str = "default"
+    lease_ttl: int = 10
+    contract: Contract = field(default_factory=Contract)
+    extra: list[str] = field(default_factory=list)
+    data_port: int = 0
+    admin_port: int = 0
+    proc: subprocess.Popen | None = None
+    data_addr: str = ""
+    admin_addr: str = ""
+
+    def command(self) -> list[str]:
+        c = self.contract
+        return [sys.executable, "-m", "kvring.cli", "node", "--node-id", self.node_id,
+                "--memory", str(self.memory), "--etcd", self.etcd, "--cluster", self.cluster,
+                "--lease-ttl", str(self.lease_ttl), "--data-port", str(self.data_port),
+                "--admin-port", str(self.admin_port), "--chunk-size", str(c.chunk_size),
+                "--vnodes", str(c.vnodes), "--replication", str(c.replication), *self.extra]
+
+    def start(self, timeout: float = 20.0, wait: bool = True) -> NodeProcess:
+        env = dict(os.environ)
+        # A fixed mmap threshold makes glibc return freed chunk buffers to the OS at once,
+        # so the node's RSS follows its stored bytes instead of its high-water mark.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True, text=True)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        lines = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"node {self.node_id} exited (code {self.proc.wait()}):\n" + "".join(lines))
+            lines.append(line)
+            if line.startswith("READY "):
+                fields = dict(part.split("=", 1) for part in line.split()[1:])
+                self.data_addr, self.admin_addr = fields["data"], fields["admin"]
+                # Keep draining output so the child never blocks on a full pipe.
+                import threading
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+        raise TimeoutError(f"node {self.node_id} not ready within {timeout}s:\n" + "".join(lines))
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            logger.debug("[%s] %s", self.node_id, line.rstrip())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL, no goodbye: the node's lease has to run out."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+
+
+class LocalCluster:
+    """etcd (started here unless ``etcd`` is given) plus ``nodes`` node processes."""
+
+    def __init__(self, nodes: int = 3, memory: int = 1 << 30, etcd: str | None = None,
+                 cluster: str = "default", lease_ttl: int = 10, contract: Contract | None = None,
+                 node_args: list[str] | None = None) -> None:
+        self.local_etcd = None if etcd else LocalEtcd()
+        self.etcd = etcd or self.local_etcd.endpoint
+        self.cluster = cluster
+        self.contract = contract or Contract()
+        self.nodes = [NodeProcess(f"node-{i}", memory, self.etcd, cluster, lease_ttl, self.contract,
+                                  list(node_args or [])) for i in range(nodes)]
+
+    def start(self) -> LocalCluster:
+        try:
+            if self.local_etcd is not None:
+                self.local_etcd.start()
+            for node in self.nodes:
+                node.start(wait=False)
+            for node in self.nodes:
+                node.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def add_node(self, memory: int | None = None) -> NodeProcess:
+        node = NodeProcess(f"node-{len(self.nodes)}", memory or self.nodes[0].memory, self.etcd, self.cluster,
+                           self.nodes[0].lease_ttl, self.contract)
+        self.nodes.append(node.start())
+        return node
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        if self.local_etcd is not None:
+            self.local_etcd.close()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

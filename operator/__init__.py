@@ -1,0 +1,1 @@
+"""The Kubernetes operator for CacheCluster resources; see the operator issue."""
