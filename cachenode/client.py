@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 import zmq
-import zmq.asyncio
 
 from . import protocol as P
 from .chunk import ChunkMeta, make_meta
@@ -68,9 +67,15 @@ class LayerBatch:
 
 
 class _Node:
-    """A DEALER socket to one node, its reader task, and the requests waiting on it."""
+    """A DEALER socket to one node and the requests waiting on it.
 
-    def __init__(self, ctx: zmq.asyncio.Context, record: NodeRecord) -> None:
+    Owned by the client's loop thread.  The socket is a plain (sync) zmq socket driven by
+    ``loop.add_reader`` on its edge-triggered FD: sends never block (NOBLOCK), and every
+    wake-up or send drains all pending replies.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ctx: zmq.Context, record: NodeRecord) -> None:
+        self.loop = loop
         self.record = record
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -78,34 +83,47 @@ class _Node:
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         self.sock.connect(record.data_addr)
         self.pending: dict[int, asyncio.Future | queue.Queue] = {}
-        self.reader = asyncio.ensure_future(self._read())
+        self._fd = self.sock.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self.drain)
 
-    async def _read(self) -> None:
-        while True:
+    def send(self, frames: list) -> None:
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            raise NodeUnavailable(f"cannot send to node {self.record.node_id}: {exc}") from exc
+        finally:
+            # Sending may consume the edge-triggered FD's readiness: look for replies now.
+            self.loop.call_soon(self.drain)
+
+    def drain(self) -> None:
+        while not self.sock.closed and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                frames = await self.sock.recv_multipart(copy=False)
-            except (asyncio.CancelledError, zmq.ZMQError):
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
                 return
-            try:
-                reply = P.decode_reply(frames[0].buffer)
-            except Exception:
-                logger.warning("undecodable reply from node %s dropped", self.record.node_id)
-                continue
-            waiter = self.pending.get(reply.rid)
-            if waiter is None:
-                continue  # a late reply to a request we stopped waiting for
-            if isinstance(waiter, queue.Queue):
-                waiter.put((reply, frames[1:]))
-                if isinstance(reply, P.Error) or (isinstance(reply, P.GetLayer) and reply.last) or (
-                        isinstance(reply, P.GetHead) and not any(reply.metas)):
-                    self.pending.pop(reply.rid, None)
-            else:
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        try:
+            reply = P.decode_reply(frames[0].buffer)
+        except Exception:
+            logger.warning("undecodable reply from node %s dropped", self.record.node_id)
+            return
+        waiter = self.pending.get(reply.rid)
+        if waiter is None:
+            return  # a late reply to a request we stopped waiting for
+        if isinstance(waiter, queue.Queue):
+            waiter.put((reply, frames[1:]))
+            if isinstance(reply, P.Error) or (isinstance(reply, P.GetLayer) and reply.last) or (
+                    isinstance(reply, P.GetHead) and not any(reply.metas)):
                 self.pending.pop(reply.rid, None)
-                if not waiter.done():
-                    waiter.set_result((reply, frames[1:]))
+        else:
+            self.pending.pop(reply.rid, None)
+            if not waiter.done():
+                waiter.set_result((reply, frames[1:]))
 
     def close(self) -> None:
-        self.reader.cancel()
+        self.loop.remove_reader(self._fd)
         self.sock.close(linger=0)
         for waiter in self.pending.values():
             if isinstance(waiter, queue.Queue):
@@ -155,7 +173,7 @@ class ClusterClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvring-client", daemon=True)
         self._thread.start()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._etcd = Etcd(self.settings)
         try:
             self._call(self._start(), timeout=self.settings.timeout * 4 + 2)
@@ -205,7 +223,7 @@ class ClusterClient:
                 self._nodes.pop(node_id).close()
         for node_id, rec in members.items():
             if node_id not in self._nodes:
-                self._nodes[node_id] = _Node(self._ctx, rec)
+                self._nodes[node_id] = _Node(self._loop, self._ctx, rec)
             else:
                 self._nodes[node_id].record = rec
             if self.members.get(node_id) != rec:
@@ -272,22 +290,19 @@ class ClusterClient:
             logger.warning("node %s marked failed for %.0fs: %s", node_id, self.failure_backoff, why)
         self._failed[node_id] = time.monotonic() + self.failure_backoff
 
-    def _candidates(self, key: bytes, ring: HashRing) -> list[str]:
-        owners = ring.owners(key)
-        alive = [n for n in owners if self._alive(n)]
-        return alive or [n for n in owners if n in self._nodes]
-
     def _route(self, keys: Sequence[bytes], ring: HashRing, skip: dict[int, set[str]] | None = None):
-        """Group key indices by the first candidate owner not in ``skip[index]``."""
+        """Group key indices by their first live owner not in ``skip[index]``."""
         if not ring.nodes:
             raise NoOwners(f"no active node in cluster {self.settings.cluster!r}; is `kvring up` running?")
         groups: dict[str, list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
+        alive = {n: self._alive(n) for n in ring.nodes}
+        for i, owners in enumerate(ring.owners_many(keys)):
             tried = skip.get(i, ()) if skip else ()
-            for node in self._candidates(key, ring):
-                if node not in tried:
-                    groups[node].append(i)
-                    break
+            live = [n for n in owners if alive[n] and n not in tried]
+            if not live and not tried:  # every owner is marked failed: try them anyway
+                live = [n for n in owners if n in self._nodes]
+            if live:
+                groups[live[0]].append(i)
         return groups
 
     def _previous_ring(self) -> HashRing | None:
@@ -297,44 +312,62 @@ class ClusterClient:
 
     # ---- requests (run on the loop) ---------------------------------------------------------
 
-    async def _request(self, node_id: str, msg, payloads=(), timeout: float | None = None):
+    def _submit(self, node_id: str, msg, payloads=()) -> asyncio.Future:
+        """Send a request now; the future resolves to ``(reply, frames)`` or fails."""
         node = self._nodes.get(node_id)
-        if node is None:
-            raise NodeUnavailable(f"node {node_id} is not a member")
         fut = self._loop.create_future()
+        if node is None:
+            fut.set_exception(NodeUnavailable(f"node {node_id} is not a member"))
+            return fut
         node.pending[msg.rid] = fut
         try:
-            await node.sock.send_multipart([P.encode(msg), *payloads], copy=False)
-            reply, frames = await asyncio.wait_for(fut, timeout or self.timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+            node.send([P.encode(msg), *payloads])
+        except NodeUnavailable as exc:
             node.pending.pop(msg.rid, None)
+            fut.set_exception(exc)
+        return fut
+
+    async def _await(self, node_id: str, rid: int, fut: asyncio.Future, timeout: float | None = None):
+        timeout = timeout or self.timeout
+        timer = self._loop.call_later(timeout, lambda: fut.done() or fut.set_exception(TimeoutError()))
+        try:
+            reply, frames = await fut
+        except TimeoutError:
+            self._forget(node_id, rid)
             self._mark_failed(node_id, "timed out")
-            raise NodeUnavailable(f"node {node_id} did not answer within {timeout or self.timeout:.1f}s") from None
+            raise NodeUnavailable(f"node {node_id} did not answer within {timeout:.1f}s") from None
         except asyncio.CancelledError:
-            node.pending.pop(msg.rid, None)
             raise NodeUnavailable(f"node {node_id} left the ring") from None
+        finally:
+            timer.cancel()
         if isinstance(reply, P.Error):
             raise RemoteError(reply.code, reply.message, node_id)
         return reply, frames
 
+    async def _request(self, node_id: str, msg, payloads=(), timeout: float | None = None):
+        return await self._await(node_id, msg.rid, self._submit(node_id, msg, payloads), timeout)
+
     async def _lookup_on(self, ring: HashRing, keys, idx_subset, lease_ms, present, skip) -> list[int]:
         groups = self._route([keys[i] for i in idx_subset], ring, skip={
             j: skip.get(i, set()) for j, i in enumerate(idx_subset)})
-        async def one(node_id, local):
+        sent = []
+        for node_id, local in groups.items():  # send every node's batch first, then wait
             idx = [idx_subset[j] for j in local]
+            msg = P.Lookup(rid=next(self._rids), epoch=ring.epoch, keys=[keys[i] for i in idx], lease_ms=lease_ms)
+            sent.append((node_id, idx, msg.rid, self._submit(node_id, msg)))
+        failed: list[int] = []
+        for node_id, idx, rid, fut in sent:
             try:
-                reply, _ = await self._request(node_id, P.Lookup(
-                    rid=next(self._rids), epoch=ring.epoch, keys=[keys[i] for i in idx], lease_ms=lease_ms))
+                reply, _ = await self._await(node_id, rid, fut)
             except (NodeUnavailable, RemoteError) as exc:
                 logger.debug("lookup on %s failed: %s", node_id, exc)
                 for i in idx:
                     skip.setdefault(i, set()).add(node_id)
-                return idx
+                failed.extend(idx)
+                continue
             for i, hit in zip(idx, reply.present):
                 present[i] = present[i] or hit
-            return []
-        failed = await asyncio.gather(*(one(n, local) for n, local in groups.items()))
-        return [i for f in failed for i in f]
+        return failed
 
     async def _lookup(self, keys: list[bytes], lease_ms: int) -> list[bool]:
         present = [False] * len(keys)
@@ -366,12 +399,14 @@ class ClusterClient:
             except (NodeUnavailable, RemoteError) as exc:
                 errors.append(str(exc))
 
-        jobs = []
-        for i, (key, meta, payload) in enumerate(items):
-            for node_id in self._candidates(key, self.ring):
-                jobs.append(one(i, node_id, meta, payload))
         if not self.ring.nodes:
             raise NoOwners(f"no active node in cluster {self.settings.cluster!r}; is `kvring up` running?")
+        jobs = []
+        owner_lists = self.ring.owners_many([key for key, _, _ in items])
+        for i, ((key, meta, payload), owners) in enumerate(zip(items, owner_lists)):
+            live = [n for n in owners if self._alive(n)] or [n for n in owners if n in self._nodes]
+            for node_id in live:
+                jobs.append(one(i, node_id, meta, payload))
         await asyncio.gather(*jobs)
         if errors and not any(stored):
             raise KVRingError(f"no replica stored: {errors[0]}")
@@ -459,6 +494,7 @@ class ClusterClient:
             raise ValueError(f"layer range {layers} is empty or negative")
         found = found if found is not None else [None] * len(keys)
         done = [False] * len(keys)
+        want = [0] * len(keys)  # layers still expected per key
         results: queue.Queue = queue.Queue()
         skip: dict[int, set[str]] = {}
         ring, used_prev = self.ring, False
@@ -505,12 +541,17 @@ class ClusterClient:
                         continue
                     for i, meta in zip(idx, reply.metas):
                         found[i] = meta
-                        (got if meta is not None else missing).append(i)
+                        if meta is None:
+                            missing.append(i)
+                        else:
+                            got.append(i)
+                            want[i] = (meta.layers if end == -1 else end) - start
                     if not got:
                         del streams[reply.rid]
                 elif isinstance(reply, P.GetLayer):
                     good_idx, good_views = [], []
-                    for i, view, checksum in zip(got, frames, reply.checksums):
+                    for pos, view, checksum in zip(reply.which, frames, reply.checksums):
+                        i = idx[pos]
                         buf = view.buffer
                         if self.verify and xxhash.xxh3_64_intdigest(buf) != checksum:
                             logger.warning("checksum mismatch in layer %d of a chunk from %s", reply.layer, node_id)
@@ -520,11 +561,14 @@ class ClusterClient:
                         if found[i] is not None:
                             good_idx.append(i)
                             good_views.append(buf)
+                            want[i] -= 1
                     if good_idx:
                         yield LayerBatch(reply.layer, good_idx, good_views)
                     if reply.last:
                         for i in got:
-                            done[i] = found[i] is not None
+                            done[i] = found[i] is not None and want[i] == 0
+                            if not done[i] and found[i] is not None:
+                                retry.append(i)
                         del streams[reply.rid]
             owner_of = {i: n for n, local in groups.items() for i in (todo[j] for j in local)}
             for i in retry:
@@ -549,7 +593,11 @@ class ClusterClient:
             results.put((P.Error(rid=msg.rid, code="gone", message=f"node {node_id} left"), []))
             return
         node.pending[msg.rid] = results
-        asyncio.ensure_future(node.sock.send_multipart([P.encode(msg)], copy=False))
+        try:
+            node.send([P.encode(msg)])
+        except NodeUnavailable as exc:
+            node.pending.pop(msg.rid, None)
+            results.put((P.Error(rid=msg.rid, code="gone", message=str(exc)), []))
 
     def _forget(self, node_id: str, rid: int) -> None:
         node = self._nodes.get(node_id)

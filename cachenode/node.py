@@ -241,27 +241,34 @@ class CacheNode:
     def _get(self, ident, req: P.Get, _) -> None:
         self._check_keys(req.keys)
         entries = [self.store.get(k) for k in req.keys]
-        found = [e for e in entries if e is not None]
+        found = [(pos, e) for pos, e in enumerate(entries) if e is not None]
         self.metrics.hits.inc(len(found))
         self.metrics.misses.inc(len(entries) - len(found))
         if found:
-            layers = min(e.meta.layers for e in found)
-            end = layers if req.layer_end == -1 else req.layer_end
-            if not 0 <= req.layer_start < end <= layers:
-                raise ProtocolError(f"layer range [{req.layer_start}, {req.layer_end}) is outside the "
-                                    f"stored chunks' {layers} layers", "bad_range")
+            if req.layer_end == -1:  # whole chunks: each key to its own last layer
+                end = max(e.meta.layers for _, e in found)
+            else:
+                end = req.layer_end
+                short = min(e.meta.layers for _, e in found)
+                if not 0 <= req.layer_start < end <= short:
+                    raise ProtocolError(f"layer range [{req.layer_start}, {req.layer_end}) is outside the "
+                                        f"stored chunks' {short} layers", "bad_range")
+            if not 0 <= req.layer_start < end:
+                raise ProtocolError(f"layer range [{req.layer_start}, {req.layer_end}) is empty", "bad_range")
         self._send(ident, P.GetHead(rid=req.rid, metas=[e.meta if e else None for e in entries]))
         if not found:
             return
         sent = 0
         for layer in range(req.layer_start, end):
-            views = []
-            for e in found:
-                lb = e.meta.layer_bytes
-                views.append(e.buf[layer * lb:(layer + 1) * lb])
-                sent += lb
-            msg = P.GetLayer(rid=req.rid, layer=layer, checksums=[e.meta.checksums[layer] for e in found],
-                             last=layer == end - 1)
+            which, views, checksums = [], [], []
+            for pos, e in found:
+                if layer < e.meta.layers:
+                    lb = e.meta.layer_bytes
+                    which.append(pos)
+                    views.append(e.buf[layer * lb:(layer + 1) * lb])
+                    checksums.append(e.meta.checksums[layer])
+                    sent += lb
+            msg = P.GetLayer(rid=req.rid, layer=layer, which=which, checksums=checksums, last=layer == end - 1)
             self._send(ident, msg, views)
         self.metrics.bytes_out.inc(sent)
 
@@ -314,6 +321,7 @@ class CacheNode:
             "misses": int(m.misses._value.get()),
             "errors": dict(m.error_tally),
             "registered": bool(self.registrar and self.registrar.registered.is_set()),
+            "registrations": self.registrar.registrations if self.registrar else 0,
             "uptime_s": round(time.time() - self.started, 3),
             "pid": os.getpid(),
         }

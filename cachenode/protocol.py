@@ -11,8 +11,9 @@ Lifecycle
 Message format
     Frame 0 is the header, a msgpack map encoded from the tagged unions below (tag field
     ``op``); further frames are payloads.  PUT carries exactly one payload frame, the whole
-    layer-major chunk.  ``GetLayer`` carries one frame per found key, in key order, holding that
-    key's bytes of that layer.  Headers are small; payloads are never copied into them.
+    layer-major chunk.  ``GetLayer`` carries one frame per key listed in its ``which``, holding
+    that key's bytes of that layer (a whole-chunk GET of chunks with different layer counts
+    sends each key's own layers).  Headers are small; payloads are never copied into them.
 
 Versioning
     Each header has ``v``; a node answers any other version with ``Error(code="version")``.
@@ -115,9 +116,11 @@ class GetHead(_Msg, tag="get_head"):
 
 
 class GetLayer(_Msg, tag="get_layer"):
-    """One layer of every found key, one frame each, with those layers' checksums."""
+    """One layer of the found keys that have it: positions ``which`` in the request's key list,
+    one frame each, with those layers' checksums."""
 
     layer: int
+    which: list[int]
     checksums: list[int]
     last: bool = False
 

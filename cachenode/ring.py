@@ -73,10 +73,13 @@ class HashRing:
         return [self._ids[i] for i in self._owners[idx]]
 
     def owners_many(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """``owners`` of many keys with one vectorised search."""
         if not self._ids:
             return [[] for _ in keys]
         idx = np.searchsorted(self._points, ring_positions(keys), side="left")
-        return [self._walk(int(i)) for i in idx]
+        if self.replication == 1 or len(self._ids) == 1:
+            return [[self._ids[o]] for o in self._owners[idx % len(self._points)].tolist()]
+        return [self._walk(i) for i in idx.tolist()]
 
     def _walk(self, start: int) -> list[str]:
         want = min(self.replication, len(self._ids))

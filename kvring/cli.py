@@ -45,7 +45,7 @@ def node(
     advertise_host: Annotated[str | None, typer.Option(help="Address others reach this node at.")] = None,
     data_port: Annotated[int, typer.Option(help="ZMQ data port (0: any free port).")] = 0,
     admin_port: Annotated[int, typer.Option(help="HTTP port for /healthz /readyz /metrics (0: any).")] = 0,
-    max_chunk_bytes: Annotated[str, typer.Option(help="Largest chunk accepted.")] = "256MiB",
+    max_chunk_bytes: Annotated[str | None, typer.Option(help="Largest chunk accepted [default: 256MiB or --memory if less].")] = None,
     policy: Annotated[str, typer.Option(help="Eviction policy: lru or fifo.")] = "lru",
     lease_ttl: Annotated[int, typer.Option(help="etcd lease TTL in seconds.")] = 10,
     chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.")] = 256,
@@ -62,7 +62,8 @@ def node(
         config = NodeConfig(
             node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
             admin_port=admin_port, advertise_host=advertise_host,
-            max_chunk_bytes=_size(max_chunk_bytes, "--max-chunk-bytes"), policy=policy,
+            max_chunk_bytes=(_size(max_chunk_bytes, "--max-chunk-bytes") if max_chunk_bytes
+                             else min(256 << 20, _size(memory, "--memory"))), policy=policy,
             etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
     except ValueError as exc:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ class NodeProcess:
     data_port: int = 0
     admin_port: int = 0
     proc: subprocess.Popen | None = None
+    _drainer: threading.Thread | None = None
     data_addr: str = ""
     admin_addr: str = ""
 
@@ -139,14 +141,16 @@ class NodeProcess:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"node {self.node_id} exited (code {self.proc.wait()}):\n" + "".join(lines))
+                code = self.proc.wait()
+                self._release()
+                raise RuntimeError(f"node {self.node_id} exited (code {code}):\n" + "".join(lines))
             lines.append(line)
             if line.startswith("READY "):
                 fields = dict(part.split("=", 1) for part in line.split()[1:])
                 self.data_addr, self.admin_addr = fields["data"], fields["admin"]
                 # Keep draining output so the child never blocks on a full pipe.
-                import threading
-                threading.Thread(target=self._drain, daemon=True).start()
+                self._drainer = threading.Thread(target=self._drain, daemon=True)
+                self._drainer.start()
                 return
         raise TimeoutError(f"node {self.node_id} not ready within {timeout}s:\n" + "".join(lines))
 
@@ -163,10 +167,19 @@ class NodeProcess:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self._release()
 
     def stop(self) -> None:
         if self.proc is not None:
             _stop(self.proc)
+        self._release()
+
+    def _release(self) -> None:
+        if self._drainer is not None:
+            self._drainer.join(2)
+            self._drainer = None
+        if self.proc is not None and self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.stdout.close()
 
 
 class LocalCluster:

@@ -1,0 +1,187 @@
+"""Real etcd, real node processes over ZMQ, the real cluster client."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from kvring.cachenode import ClusterClient, Contract, ContractMismatch
+from kvring.cachenode.chunk import DTYPE_SIZES
+from kvring.local import LocalCluster, NodeProcess
+
+MiB = 1 << 20
+
+
+def _random_chunk(rng: np.random.Generator):
+    layers = int(rng.integers(1, 9))
+    dtype = str(rng.choice(sorted(DTYPE_SIZES)))
+    rest = [int(x) for x in rng.integers(1, 9, size=int(rng.integers(1, 4)))]
+    nbytes = layers * int(np.prod(rest)) * DTYPE_SIZES[dtype]
+    data = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    return os.urandom(16), data, [layers, *rest], dtype
+
+
+def test_1000_random_chunks_read_back_byte_identical(cluster_factory):
+    cluster = cluster_factory(nodes=3)
+    rng = np.random.default_rng(7)
+    chunks = [_random_chunk(rng) for _ in range(1000)]
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(3)
+        for i in range(0, 1000, 100):
+            stored = client.put_many([(k, d, s, t, 16) for k, d, s, t in chunks[i:i + 100]])
+            assert stored == [1] * 100
+        keys = [c[0] for c in chunks]
+        assert client.lookup(keys) == [True] * 1000
+        whole = client.get(keys)
+        for (key, data, shape, dtype), got in zip(chunks, whole):
+            assert got is not None and got.key == key
+            assert got.meta.shape == shape and got.meta.dtype == dtype and got.meta.tokens == 16
+            assert np.array_equal(got.data, data)
+        # Layer ranges, chosen per chunk, read back the same bytes as slicing the original.
+        for key, data, shape, dtype in chunks[:300]:
+            a = int(rng.integers(0, shape[0]))
+            b = int(rng.integers(a + 1, shape[0] + 1))
+            lb = data.nbytes // shape[0]
+            got = client.get([key], layers=(a, b))[0]
+            assert np.array_equal(got.data, data[a * lb:b * lb])
+        # Streaming: every layer of every key arrives exactly once, intact.
+        seen = {}
+        for batch in client.iter_layers(keys[:200]):
+            for i, view in zip(batch.indices, batch.views):
+                lb = chunks[i][1].nbytes // chunks[i][2][0]
+                assert bytes(view) == chunks[i][1][batch.layer * lb:(batch.layer + 1) * lb].tobytes()
+                seen[(i, batch.layer)] = seen.get((i, batch.layer), 0) + 1
+        assert len(seen) == sum(c[2][0] for c in chunks[:200]) and set(seen.values()) == {1}
+        # Spread over all nodes.
+        stats = client.stats()
+        assert sum(s["chunks"] for s in stats.values()) == 1000
+        assert all(s["chunks"] > 200 for s in stats.values())
+        assert client.get([b"not-there-at-all"]) == [None]
+
+
+def _wait(predicate, timeout: float, interval: float = 0.05) -> float | None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval)
+    return None
+
+
+def test_killed_node_leaves_within_ttl_and_returns_to_its_keys(cluster_factory):
+    ttl = 3
+    cluster = cluster_factory(nodes=3, lease_ttl=ttl)
+    keys = [os.urandom(16) for _ in range(10_000)]
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+        assert client.wait_for_nodes(3)
+        owners_before = client.ring.owners_many(keys)
+        victim = cluster.nodes[1]
+        victim.kill()
+        left_after = _wait(lambda: "node-1" not in client.ring.nodes, ttl + 2)
+        assert left_after is not None, "the killed node was still on the ring after TTL + 2 s"
+        assert all(o != ["node-1"] for o in client.ring.owners_many(keys))
+        # Restarted with the same id, it owns exactly the same keys again.
+        victim.start()
+        assert _wait(lambda: "node-1" in client.ring.nodes, 10) is not None
+        assert client.ring.owners_many(keys) == owners_before
+
+
+def test_replica_serves_reads_when_a_node_is_killed(cluster_factory):
+    cluster = cluster_factory(nodes=3, contract=Contract(replication=2))
+    rng = np.random.default_rng(3)
+    data = {os.urandom(16): rng.integers(0, 256, size=4096, dtype=np.uint8) for _ in range(200)}
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=1.0) as client:
+        assert client.wait_for_nodes(3)
+        assert client.put_many([(k, v, [4, 1024], "uint8", 8) for k, v in data.items()]) == [2] * 200
+        cluster.nodes[0].kill()  # the ring still lists it until its lease runs out
+        keys = list(data)
+        assert client.lookup(keys) == [True] * 200
+        got = client.get(keys)
+        assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(keys, got))
+
+
+def test_reads_fall_back_to_the_previous_owner_after_a_ring_change(cluster_factory):
+    cluster = cluster_factory(nodes=2)
+    rng = np.random.default_rng(4)
+    data = {os.urandom(16): rng.integers(0, 256, size=1024, dtype=np.uint8) for _ in range(300)}
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+        assert client.wait_for_nodes(2)
+        client.put_many([(k, v, [2, 512], "uint8", 4) for k, v in data.items()])
+        cluster.add_node()
+        assert client.wait_for_nodes(3)
+        keys = list(data)
+        moved = [k for k in keys if client.ring.owners(k) == ["node-2"]]
+        assert len(moved) > 30  # about a third moved to the new node, which holds none of them
+        assert client.lookup(moved) == [True] * len(moved)
+        got = client.get(moved)
+        assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(moved, got))
+
+
+def test_etcd_outage_keeps_data_plane_up_and_nodes_reregister():
+    ttl = 2
+    with LocalCluster(nodes=3, memory=64 * MiB, lease_ttl=ttl, cluster="outage") as cluster:
+        with ClusterClient(cluster.etcd, cluster="outage", poll_interval=0.1) as client:
+            assert client.wait_for_nodes(3)
+            before = {n: client.stats()[n]["registrations"] for n in client.ring.nodes}
+            cluster.local_etcd.stop()
+            time.sleep(ttl + 2)  # longer than the nodes' lease TTL
+            assert not client.etcd_ok and len(client.ring) == 3  # the last ring is kept
+            rng = np.random.default_rng(5)
+            data = {os.urandom(16): rng.integers(0, 256, size=2048, dtype=np.uint8) for _ in range(100)}
+            assert client.put_many([(k, v, [2, 1024], "uint8", 4) for k, v in data.items()]) == [1] * 100
+            got = client.get(list(data))
+            assert all(np.array_equal(g.data, data[k]) for k, g in zip(data, got))
+            cluster.local_etcd.start()
+            assert _wait(lambda: client.etcd_ok and len(client.members) == 3, 15) is not None
+
+            def reregistered():
+                stats = client.stats()
+                return all(stats[n].get("registered") and stats[n]["registrations"] > before[n] for n in before)
+            assert _wait(reregistered, 15) is not None
+            got = client.get(list(data))
+            assert all(np.array_equal(g.data, data[k]) for k, g in zip(data, got))
+
+
+def test_putting_twice_the_budget_stays_within_budget_and_evicts_lru(cluster_factory):
+    budget = 64 * MiB
+    overhead = 160 * MiB  # stated fixed overhead of a node process (interpreter, zmq, numpy, buffers)
+    cluster = cluster_factory(nodes=1, memory=budget)
+    node = psutil.Process(cluster.nodes[0].pid)
+    chunk = MiB
+    keys = [os.urandom(16) for _ in range(2 * budget // chunk)]
+    rng = np.random.default_rng(6)
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(1)
+        hot = keys[0]
+        peak_rss = 0
+        for i, key in enumerate(keys):
+            data = rng.integers(0, 256, size=chunk, dtype=np.uint8)
+            assert client.put(key, data, [4, chunk // 4], "uint8", 64) == 1
+            if i % 8 == 0:
+                assert client.get([hot]) [0] is not None  # keep one early chunk hot
+            stats = client.stats()["node-0"]
+            assert stats["used"] <= budget
+            peak_rss = max(peak_rss, node.memory_info().rss)
+        stats = client.stats()["node-0"]
+        assert stats["evictions"] >= len(keys) // 2 - 1
+        present = client.lookup(keys)
+        assert present[0]  # recently used, kept
+        assert not any(present[1:len(keys) // 3])  # the oldest, unused ones went first
+        assert all(present[-(budget // chunk) + 2:])  # the newest are there
+    assert peak_rss <= budget + overhead, f"node RSS peaked at {peak_rss / MiB:.0f} MiB"
+
+
+def test_contract_mismatch_is_refused_with_the_difference(cluster_factory):
+    cluster = cluster_factory(nodes=1)
+    other = NodeProcess("node-x", 64 * MiB, cluster.etcd, cluster.cluster, contract=Contract(chunk_size=512))
+    with pytest.raises(RuntimeError) as info:
+        other.start()
+    assert "chunk_size" in str(info.value) and "512" in str(info.value) and "256" in str(info.value)
+    with pytest.raises(ContractMismatch, match="replication: this process has 3, the cluster has 1"):
+        ClusterClient(cluster.etcd, cluster=cluster.cluster, contract=Contract(replication=3))
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, contract=Contract()) as ok:
+        assert ok.wait_for_nodes(1, exact=True)

@@ -1,0 +1,37 @@
+"""Shared fixtures: one real etcd server per test session, real node processes per test."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import pytest
+
+from kvring.local import LocalCluster, LocalEtcd
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    if shutil.which("etcd") is None and not __import__("os").path.exists("/usr/bin/etcd"):
+        pytest.fail("etcd is not installed; the README's test command installs it (apt-get install etcd-server)")
+    server = LocalEtcd().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def cluster_factory(etcd_server):
+    """Start ``LocalCluster``s on the session's etcd, each under a cluster name of its own."""
+    started: list[LocalCluster] = []
+
+    def make(nodes: int = 3, memory: int = 256 << 20, lease_ttl: int = 10, **kw) -> LocalCluster:
+        cluster = LocalCluster(nodes=nodes, memory=memory, etcd=etcd_server.endpoint,
+                               cluster=f"test-{next(_names)}", lease_ttl=lease_ttl, **kw)
+        started.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in started:
+        cluster.close()
