@@ -22,8 +22,11 @@ class NodeMetrics:
             store.leased_bytes)
         self.evictions = Gauge("kvring_node_evictions_total", "Chunks evicted to make room", registry=r)
         self.evictions.set_function(lambda: store.evictions)
-        self.hits = Counter("kvring_node_hits", "Keys found by LOOKUP or GET", registry=r)
-        self.misses = Counter("kvring_node_misses", "Keys not found by LOOKUP or GET", registry=r)
+        hits = Counter("kvring_node_hits", "Keys found, by operation (lookup or get)", ["op"], registry=r)
+        misses = Counter("kvring_node_misses", "Keys not found, by operation (lookup or get)", ["op"], registry=r)
+        self.tally = {"lookup_hits": 0, "lookup_misses": 0, "get_hits": 0, "get_misses": 0}
+        self._hits = {op: hits.labels(op) for op in ("lookup", "get")}
+        self._misses = {op: misses.labels(op) for op in ("lookup", "get")}
         self.errors = Counter("kvring_node_errors", "Requests answered with an error, by kind", ["kind"], registry=r)
         for code in ERROR_CODES:
             self.errors.labels(code)
@@ -39,6 +42,13 @@ class NodeMetrics:
         hist = self._op_latency.get(op)
         if hist is not None:
             hist.observe(seconds)
+
+    def found(self, op: str, hits: int, misses: int) -> None:
+        """Count the keys an operation found and missed (op: lookup or get)."""
+        self._hits[op].inc(hits)
+        self._misses[op].inc(misses)
+        self.tally[f"{op}_hits"] += hits
+        self.tally[f"{op}_misses"] += misses
 
     def error(self, code: str) -> None:
         code = code if code in self._errors else "internal"

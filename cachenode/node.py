@@ -234,16 +234,14 @@ class CacheNode:
         self._check_keys(req.keys)
         present = self.store.lookup(req.keys, min(max(req.lease_ms, 0), MAX_LEASE_MS))
         hits = sum(present)
-        self.metrics.hits.inc(hits)
-        self.metrics.misses.inc(len(present) - hits)
+        self.metrics.found("lookup", hits, len(present) - hits)
         self._send(ident, P.LookupReply(rid=req.rid, present=present))
 
     def _get(self, ident, req: P.Get, _) -> None:
         self._check_keys(req.keys)
         entries = [self.store.get(k) for k in req.keys]
         found = [(pos, e) for pos, e in enumerate(entries) if e is not None]
-        self.metrics.hits.inc(len(found))
-        self.metrics.misses.inc(len(entries) - len(found))
+        self.metrics.found("get", len(found), len(entries) - len(found))
         if found:
             if req.layer_end == -1:  # whole chunks: each key to its own last layer
                 end = max(e.meta.layers for _, e in found)
@@ -317,8 +315,10 @@ class CacheNode:
             "chunks": len(self.store),
             "evictions": self.store.evictions,
             "leased_bytes": self.store.leased_bytes(),
-            "hits": int(m.hits._value.get()),
-            "misses": int(m.misses._value.get()),
+            # hits/misses: what LOOKUPs found (the cache's hit rate); GETs are counted apart.
+            "hits": m.tally["lookup_hits"],
+            "misses": m.tally["lookup_misses"],
+            **m.tally,
             "errors": dict(m.error_tally),
             "registered": bool(self.registrar and self.registrar.registered.is_set()),
             "registrations": self.registrar.registrations if self.registrar else 0,

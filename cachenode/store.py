@@ -88,8 +88,12 @@ class ChunkStore:
         return True
 
     def lookup(self, keys: list[bytes], lease_ms: int = 0) -> list[bool]:
-        """Presence of each key; present ones are leased for ``lease_ms`` within the bound."""
+        """Presence of each key; present ones count as used and are leased for ``lease_ms``
+        within the bound."""
         present = [k in self._entries for k in keys]
+        for key, hit in zip(keys, present):
+            if hit:  # a lookup is demand: the chunk is about to be loaded
+                self.policy.accessed(key)
         if lease_ms > 0 and any(present):
             now = self._clock()
             self._expire_leases(now)

@@ -1,25 +1,28 @@
 """Data-plane benchmark: kvring PUT/GET throughput and LOOKUP latency against raw ZMQ and Redis.
 
 Method
-    Chunks are real KV-cache chunks of 256 tokens in bf16, layer-major
-    ``[layers, K/V, tokens, kv_heads, head_dim]``: "large" is a Llama-3.1-8B chunk (32 MiB,
-    1 MiB per layer), "small" a Qwen2.5-0.5B chunk (3 MiB, 128 KiB per layer).  A batch of
-    keys (chosen so that their primaries spread evenly over the ring's nodes) holds distinct
-    random bytes.  Each case runs ``iterations`` times; the figure is the batch's bytes over the
-    median time, in GB/s (1e9 bytes).  Untimed setup (deleting the keys before a PUT, so that
-    each PUT really stores) and checks (every GET result compared with the bytes put) happen
-    outside the timed region, so no speed is reported for wrong or missing data.
+    Chunks are real KV-cache chunks of 256 tokens, bf16, layer-major
+    ``[layers, K/V, tokens, kv_heads, head_dim]``: "large" is a Llama-3.1-8B chunk (32 MiB, 1 MiB a
+    layer), "small" a Qwen2.5-0.5B chunk (3 MiB, 128 KiB a layer).  A batch of keys, picked so that
+    their primaries spread evenly over the ring, holds distinct random bytes.  Each case runs once
+    untimed (warm-up), then ``iterations`` times; a figure is the batch's bytes over the median
+    time, in GB/s (1e9 B/s).  Setup (deleting the keys before a PUT, so every PUT really stores) and
+    checks (every GET result is compared with the bytes put) stay outside the timed region, and a
+    wrong or missing result aborts the run: no speed is reported for wrong data.
 
-    Cases: PUT through ``put_many``; whole-chunk ``get``; single-layer ``get(layers=(l, l+1))``;
-    and ``iter_layers`` whose consumer only touches the zero-copy views (the connector's path).
+    kvring cases: PUT via ``put_many``; whole-chunk ``get``; one-layer ``get(layers=(l, l + 1))``;
+    and "GET stream": ``iter_layers`` whose consumer only touches the zero-copy views (the
+    connector's path).
 
-    Baselines on the same bytes, in the same run: (a) raw ZMQ, a DEALER client and a ROUTER in a
-    spawned process over loopback TCP that keeps PUT frames and answers GET with them, zero-copy
-    both ways (``copy=False``) -- the local ceiling of the transport, with no checksums, routing or
-    store; (b) Redis through redis-py against a throw-away ``redis-server`` (pipelined SET / GET /
-    GETRANGE), skipped with a message when no ``redis-server`` is installed.  The ``iter_layers``
-    row is compared with the whole-chunk baselines.  LOOKUP latency (p50/p99 of ``lookup`` of 32 and
-    128 present keys) is shown next to a raw ZMQ request-reply round trip and pipelined Redis EXISTS.
+    Baselines, on the same bytes in the same run: (a) raw ZMQ -- a DEALER here, a ROUTER in a child
+    process over loopback TCP that keeps PUT frames and answers GET with (slices of) them, both ways
+    zero-copy (``copy=False``): the transport's local ceiling, with no checksums, routing or store.
+    Its "GET whole" replies with whole chunks in one message, its "GET stream" with one message per
+    layer (as kvring does); large frames cost the receiver more, so the two differ.  (b) Redis via
+    redis-py against a throw-away ``redis-server``: pipelined SET / GET / GETRANGE, and for the
+    stream one GETRANGE per layer and key; skipped with a message if ``redis-server`` is missing.
+    LOOKUP latency (p50/p99 of ``lookup`` of 32 and 128 present keys) is shown next to one raw ZMQ
+    request-reply and a pipelined Redis EXISTS of the same keys.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 GB = 1e9
 TOKENS = 256
+CASES = ("PUT", "GET whole", "GET 1 layer", "GET stream")
+SYSTEMS = {"kvring": "kvring", "zmq": "raw ZMQ", "redis": "Redis"}
+Range = tuple[int, int] | None  # a layer range [start, end), None = the whole chunk
 
 
 @dataclass(frozen=True)
@@ -66,33 +72,63 @@ class ChunkSpec:
         return math.prod(self.shape) * 2
 
     @property
-    def layers(self) -> int:
-        return self.shape[0]
-
-    @property
     def layer_bytes(self) -> int:
-        return self.nbytes // self.layers
+        return self.nbytes // self.shape[0]
+
+    def span(self, layers: Range) -> tuple[int, int]:
+        return (0, self.nbytes) if layers is None else (layers[0] * self.layer_bytes, layers[1] * self.layer_bytes)
 
 
 SPECS = (ChunkSpec("large", "Llama-3.1-8B", (32, 2, TOKENS, 8, 128)),
          ChunkSpec("small", "Qwen2.5-0.5B", (24, 2, TOKENS, 2, 64)))
-CASES = ("PUT", "GET whole", "GET 1 layer", "GET iter_layers")
 
 
 class BenchError(RuntimeError):
-    """A measurement returned wrong data; no figure is reported for it."""
+    """A measurement returned wrong data (no figure is reported for it), or the cluster is not there."""
 
 
 def _check(ok: bool, what: str) -> None:
     if not ok:
-        raise BenchError(f"{what} returned wrong or missing data")
+        raise BenchError(f"{what}: wrong or missing data")
 
 
 def _same(buf: Any, expected: np.ndarray) -> bool:
     return buf is not None and np.array_equal(np.frombuffer(buf, dtype=np.uint8), expected)
 
 
-# ---- raw ZMQ baseline ------------------------------------------------------------------------
+def _terminate(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---- the three systems, behind put(keys, payloads, spec) and get(keys, spec, layers) ----------
+
+class Kvring:
+    def __init__(self, client: ClusterClient) -> None:
+        self.client = client
+
+    def put(self, keys: list[bytes], payloads: list[np.ndarray], spec: ChunkSpec) -> bool:
+        return all(n >= 1 for n in self.client.put_many(
+            [(k, p, spec.shape, "bfloat16", TOKENS) for k, p in zip(keys, payloads)]))
+
+    def get(self, keys: list[bytes], spec: ChunkSpec, layers: Range) -> list[Any]:
+        return [c and c.data for c in self.client.get(keys, layers)]
+
+    def stream(self, keys: list[bytes], spec: ChunkSpec) -> list[list[Any]]:
+        """The connector's path: ``iter_layers``, keeping only references to the zero-copy views."""
+        got: list[list[Any]] = [[None] * len(keys) for _ in range(spec.shape[0])]
+        for batch in self.client.iter_layers(keys):
+            for i, view in zip(batch.indices, batch.views):
+                got[batch.layer][i] = view
+        return got
+
+    def delete(self, keys: list[bytes]) -> None:
+        self.client.delete(keys)
+
 
 def _zmq_server(endpoint: str) -> None:
     """Child process: keep PUT payload frames, answer GET with byte ranges of them, zero-copy."""
@@ -106,6 +142,12 @@ def _zmq_server(endpoint: str) -> None:
             lo, hi = struct.unpack("<QQ", rest[0].bytes)
             sock.send_multipart([ident, b"ok", *(store[k.bytes].buffer[lo:hi] for k in rest[1:])], copy=False)
             continue
+        if op.bytes == b"stream":  # one message per layer, like a kvring GET
+            lb, layers = struct.unpack("<QQ", rest[0].bytes)
+            for lo in range(0, lb * layers, lb):
+                sock.send_multipart([ident, b"ok", *(store[k.bytes].buffer[lo:lo + lb] for k in rest[1:])],
+                                    copy=False)
+            continue
         if op.bytes == b"put":
             store[rest[0].bytes] = rest[1]
         sock.send_multipart([ident, b"ok"])
@@ -118,64 +160,61 @@ def _zmq_server(endpoint: str) -> None:
 class RawZmq:
     def __init__(self) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        # A plain child interpreter (not multiprocessing): works whatever the caller's __main__ is.
-        self.proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import _zmq_server; _zmq_server({endpoint!r})"],
-                                     start_new_session=True)
+        # A plain child interpreter, not multiprocessing: works whatever the caller's __main__ is.
+        self.proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import _zmq_server; "
+                                      f"_zmq_server({endpoint!r})"], start_new_session=True)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, 30_000)
         self.sock.connect(endpoint)
-        self.ping()  # the request waits in the DEALER's queue until the child has bound
+        self.ping()  # queued in the DEALER until the child has bound
 
-    def ping(self) -> None:
+    def ping(self) -> bool:
         self.sock.send(b"ping")
-        self.sock.recv()
+        return self.sock.recv() == b"ok"
 
-    def put_many(self, items: Sequence[tuple[bytes, np.ndarray]]) -> None:
-        for key, payload in items:
+    def put(self, keys: list[bytes], payloads: list[np.ndarray], spec: ChunkSpec) -> bool:
+        for key, payload in zip(keys, payloads):
             self.sock.send_multipart([b"put", key, payload], copy=False)
-        for _ in items:
-            self.sock.recv()
+        return all(self.sock.recv() == b"ok" for _ in keys)
 
-    def get(self, keys: Sequence[bytes], lo: int, hi: int) -> list[memoryview]:
-        self.sock.send_multipart([b"get", struct.pack("<QQ", lo, hi), *keys])
+    def get(self, keys: list[bytes], spec: ChunkSpec, layers: Range) -> list[Any]:
+        self.sock.send_multipart([b"get", struct.pack("<QQ", *spec.span(layers)), *keys])
         return [f.buffer for f in self.sock.recv_multipart(copy=False)[1:]]
+
+    def stream(self, keys: list[bytes], spec: ChunkSpec) -> list[list[Any]]:
+        self.sock.send_multipart([b"stream", struct.pack("<QQ", spec.layer_bytes, spec.shape[0]), *keys])
+        return [[f.buffer for f in self.sock.recv_multipart(copy=False)[1:]] for _ in range(spec.shape[0])]
 
     def close(self) -> None:
         try:
-            self.sock.send(b"stop")
-            self.sock.recv()
+            if self.proc.poll() is None:
+                self.sock.send(b"stop")
+                self.sock.recv()
         except zmq.ZMQError:
             pass
         self.sock.close(linger=0)
         self.ctx.term()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _terminate(self.proc)
 
 
-# ---- Redis baseline --------------------------------------------------------------------------
-
-class RedisServer:
-    """A throw-away ``redis-server`` on a free loopback port, no persistence."""
+class Redis:
+    """redis-py against a throw-away ``redis-server`` on a free loopback port, no persistence."""
 
     def __init__(self, binary: str) -> None:
         import redis
 
         self.dir = tempfile.mkdtemp(prefix="kvring-redis-")
         port = free_port()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--proto-max-bulk-len", "1gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        self.client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
+        self.proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self.dir, "--proto-max-bulk-len", "1gb"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.r = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
         deadline = time.monotonic() + 10
         while True:
             try:
-                self.client.ping()
+                self.r.ping()
                 return
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -183,61 +222,68 @@ class RedisServer:
                     raise
                 time.sleep(0.05)
 
+    def _batch(self, op: Callable[[Any, bytes, int], Any], keys: list[bytes]) -> list[Any]:
+        pipe = self.r.pipeline(transaction=False)
+        for i, key in enumerate(keys):
+            op(pipe, key, i)
+        return pipe.execute()
+
+    def put(self, keys: list[bytes], payloads: list[np.ndarray], spec: ChunkSpec) -> bool:
+        return all(self._batch(lambda pipe, k, i: pipe.set(k, memoryview(payloads[i])), keys))
+
+    def get(self, keys: list[bytes], spec: ChunkSpec, layers: Range) -> list[Any]:
+        if layers is None:
+            return self._batch(lambda pipe, k, i: pipe.get(k), keys)
+        lo, hi = spec.span(layers)
+        return self._batch(lambda pipe, k, i: pipe.getrange(k, lo, hi - 1), keys)
+
+    def stream(self, keys: list[bytes], spec: ChunkSpec) -> list[list[Any]]:
+        lb, n = spec.layer_bytes, len(keys)
+        flat = self._batch(lambda pipe, k, i: pipe.getrange(k, (i // n) * lb, (i // n + 1) * lb - 1),
+                           keys * spec.shape[0])  # layer-major: entry i is layer i // n of key i % n
+        return [flat[lo:lo + n] for lo in range(0, len(flat), n)]
+
+    def exists(self, keys: list[bytes]) -> list[Any]:
+        return self._batch(lambda pipe, k, i: pipe.exists(k), keys)
+
     def close(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self.r.close()
+        _terminate(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ---- measuring -------------------------------------------------------------------------------
 
 class Meter:
-    """Runs timed repetitions and advances one progress bar."""
+    """Timed repetitions (one untimed warm-up first), each advancing one progress bar."""
 
     def __init__(self, progress: Progress, total: int) -> None:
         self.progress = progress
         self.task = progress.add_task("starting", total=total)
 
-    def gbps(self, label: str, n: int, nbytes: int, run: Callable[[], Any],
-             check: Callable[[Any], None], setup: Callable[[], None] | None = None) -> float:
+    def times(self, label: str, n: int, run: Callable[[], Any], check: Callable[[Any], bool],
+              setup: Callable[[], Any] | None = None) -> list[float]:
         self.progress.update(self.task, description=label)
         times = []
-        for i in range(n + 1):  # the first repetition warms up (connections, allocator) untimed
+        for _ in range(n + 1):
             if setup is not None:
                 setup()
             t0 = time.perf_counter()
             out = run()
             times.append(time.perf_counter() - t0)
-            check(out)
+            _check(check(out), label)
             self.progress.advance(self.task)
-        return nbytes / statistics.median(times[1:]) / GB
-
-    def latency_ms(self, label: str, n: int, run: Callable[[], Any], check: Callable[[Any], None]) -> dict[str, float]:
-        self.progress.update(self.task, description=label)
-        times = []
-        for _ in range(n + 1):
-            t0 = time.perf_counter()
-            out = run()
-            times.append((time.perf_counter() - t0) * 1e3)
-            check(out)
-            self.progress.advance(self.task)
-        return {"p50": float(np.percentile(times[1:], 50)), "p99": float(np.percentile(times[1:], 99))}
+        return times[1:]
 
 
 def _spread_keys(client: ClusterClient, prefix: str, n: int) -> list[bytes]:
-    """``n`` keys whose primary owners are spread as evenly as possible over the ring."""
-    nodes = client.ring.nodes
-    per_node = math.ceil(n / len(nodes))
-    counts = dict.fromkeys(nodes, 0)
+    """``n`` keys whose primary owners are spread as evenly as the ring's node count allows."""
+    per_node = math.ceil(n / len(client.ring.nodes))
+    counts = dict.fromkeys(client.ring.nodes, 0)
     keys: list[bytes] = []
     j = 0
     while len(keys) < n:
-        key = f"{prefix}{j}".encode()
-        j += 1
+        key, j = f"{prefix}{j}".encode(), j + 1
         owner = client.owners(key)[0]
         if counts[owner] < per_node:
             counts[owner] += 1
@@ -245,106 +291,66 @@ def _spread_keys(client: ClusterClient, prefix: str, n: int) -> list[bytes]:
     return keys
 
 
-def _bench_size(spec: ChunkSpec, client: ClusterClient, raw: RawZmq, rds: RedisServer | None, meter: Meter,
-                iters: int, batch: int, prefix: str) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(len(spec.name))
-    keys = _spread_keys(client, f"{prefix}/{spec.name}/", batch)
+def _bench_size(spec: ChunkSpec, systems: dict[str, Any], meter: Meter, iters: int, batch: int,
+                prefix: str) -> list[dict[str, Any]]:
+    kv: Kvring = systems["kvring"]
+    keys = _spread_keys(kv.client, f"{prefix}/{spec.name}/", batch)
+    rng = np.random.default_rng(spec.nbytes)
     payloads = [rng.integers(0, 256, spec.nbytes, dtype=np.uint8) for _ in keys]
-    total, lb = spec.nbytes * batch, spec.layer_bytes
-    tag = f"[{spec.name}]"
-    items = [(k, p, spec.shape, "bfloat16", TOKENS) for k, p in zip(keys, payloads)]
-    layer = iter(range(10**9))
+    mid = spec.shape[0] // 2
+    ranges: dict[str, Range] = {"GET whole": None, "GET 1 layer": (mid, mid + 1)}
+    gbps: dict[str, dict[str, float | None]] = {c: dict.fromkeys(SYSTEMS) for c in CASES}
 
-    def chunks_ok(what: str, lo: int, hi: int) -> Callable[[Sequence[Any]], None]:
-        return lambda got: _check(len(got) == batch and all(_same(g, p[lo:hi]) for g, p in zip(got, payloads)), what)
+    def case_bytes(case: str) -> int:
+        lo, hi = spec.span(ranges.get(case))
+        return batch * (hi - lo)
 
-    def stream() -> tuple[int, list[Any]]:
-        found: list[Any] = [None] * batch
-        seen = touched = 0
-        for lbatch in client.iter_layers(keys, found=found):
-            for view in lbatch.views:
-                touched ^= view[0]  # touch the bytes, copy nothing
-                seen += view.nbytes
-        return seen, found
+    def rate(case: str, times: list[float]) -> float:
+        return case_bytes(case) / statistics.median(times) / GB
 
-    def one_layer() -> tuple[int, list[Any]]:
-        i = next(layer) % spec.layers
-        return i, client.get(keys, layers=(i, i + 1))
+    def matches(layers: Range) -> Callable[[list[Any]], bool]:
+        lo, hi = spec.span(layers)
+        return lambda got: len(got) == batch and all(_same(g, p[lo:hi]) for g, p in zip(got, payloads))
 
-    def layer_ok(out: tuple[int, list[Any]]) -> None:
-        i, got = out
-        chunks_ok("kvring single-layer GET", i * lb, (i + 1) * lb)([c and c.data for c in got])
+    def all_layers_match(got: list[list[Any]]) -> bool:
+        return len(got) == spec.shape[0] and all(matches((i, i + 1))(bufs) for i, bufs in enumerate(got))
 
-    row: dict[str, dict[str, float | None]] = {c: {"kvring": None, "zmq": None, "redis": None} for c in CASES}
-    row["PUT"]["kvring"] = meter.gbps(f"{tag} kvring PUT", iters, total, lambda: client.put_many(items),
-                                      lambda stored: _check(all(s >= 1 for s in stored), "kvring PUT"),
-                                      setup=lambda: client.delete(keys))
-    row["GET whole"]["kvring"] = meter.gbps(f"{tag} kvring GET", iters, total, lambda: client.get(keys),
-                                            lambda got: chunks_ok("kvring GET", 0, spec.nbytes)([c and c.data for c in got]))
-    row["GET 1 layer"]["kvring"] = meter.gbps(f"{tag} kvring GET 1 layer", iters, batch * lb, one_layer, layer_ok)
-    for lbatch in client.iter_layers(keys):  # untimed content check of the streamed views
-        for i, view in zip(lbatch.indices, lbatch.views):
-            _check(_same(view, payloads[i][lbatch.layer * lb:(lbatch.layer + 1) * lb]), "kvring iter_layers")
-    row["GET iter_layers"]["kvring"] = meter.gbps(
-        f"{tag} kvring iter_layers", iters, total, stream,
-        lambda out: _check(out[0] == total and all(m is not None for m in out[1]), "kvring iter_layers"))
-
-    row["PUT"]["zmq"] = meter.gbps(f"{tag} raw ZMQ PUT", iters, total, lambda: raw.put_many(list(zip(keys, payloads))),
-                                   lambda _: None)
-    row["GET whole"]["zmq"] = meter.gbps(f"{tag} raw ZMQ GET", iters, total, lambda: raw.get(keys, 0, spec.nbytes),
-                                         chunks_ok("raw ZMQ GET", 0, spec.nbytes))
-    row["GET 1 layer"]["zmq"] = meter.gbps(f"{tag} raw ZMQ GET 1 layer", iters, batch * lb,
-                                           lambda: raw.get(keys, 3 * lb, 4 * lb), chunks_ok("raw ZMQ GET 1 layer", 3 * lb, 4 * lb))
-    if rds is not None:
-        r = rds.client
-
-        def redis_batch(op: Callable[[Any, bytes, np.ndarray], Any]) -> Callable[[], list[Any]]:
-            def run() -> list[Any]:
-                pipe = r.pipeline(transaction=False)
-                for k, p in zip(keys, payloads):
-                    op(pipe, k, p)
-                return pipe.execute()
-            return run
-
-        row["PUT"]["redis"] = meter.gbps(f"{tag} Redis SET", iters, total,
-                                         redis_batch(lambda pipe, k, p: pipe.set(k, memoryview(p))),
-                                         lambda out: _check(all(out), "Redis SET"))
-        row["GET whole"]["redis"] = meter.gbps(f"{tag} Redis GET", iters, total,
-                                               redis_batch(lambda pipe, k, p: pipe.get(k)), chunks_ok("Redis GET", 0, spec.nbytes))
-        row["GET 1 layer"]["redis"] = meter.gbps(f"{tag} Redis GETRANGE", iters, batch * lb,
-                                                 redis_batch(lambda pipe, k, p: pipe.getrange(k, 3 * lb, 4 * lb - 1)),
-                                                 chunks_ok("Redis GETRANGE", 3 * lb, 4 * lb))
-    row["GET iter_layers"].update(zmq=row["GET whole"]["zmq"], redis=row["GET whole"]["redis"])
-    client.delete(keys)
-    if rds is not None:
-        rds.client.delete(*keys)
+    for name, system in systems.items():
+        label = f"[{spec.name}] {SYSTEMS[name]}"
+        clear = (lambda: kv.delete(keys)) if name == "kvring" else None  # kvring skips a key it already has
+        gbps["PUT"][name] = rate("PUT", meter.times(f"{label} PUT", iters, lambda: system.put(keys, payloads, spec),
+                                                    bool, setup=clear))
+        for case, layers in ranges.items():
+            gbps[case][name] = rate(case, meter.times(f"{label} {case}", iters,
+                                                      lambda: system.get(keys, spec, layers), matches(layers)))
+        gbps["GET stream"][name] = rate("GET stream", meter.times(f"{label} GET stream", iters,
+                                                                  lambda: system.stream(keys, spec), all_layers_match))
+    kv.delete(keys)
+    if "redis" in systems:
+        systems["redis"].r.delete(*keys)
     return [{"case": c, "size": spec.name, "model": spec.model, "shape": list(spec.shape), "batch": batch,
-             "bytes": batch * (lb if c == "GET 1 layer" else spec.nbytes),
-             **{f"{k}_gbps": v for k, v in row[c].items()}} for c in CASES]
+             "bytes": case_bytes(c),
+             **{f"{s}_gbps": v for s, v in gbps[c].items()}} for c in CASES]
 
 
-def _bench_lookup(client: ClusterClient, raw: RawZmq, rds: RedisServer | None, meter: Meter, samples: int,
-                  sizes: Sequence[int], prefix: str) -> list[dict[str, Any]]:
+def _bench_lookup(systems: dict[str, Any], meter: Meter, samples: int, sizes: Sequence[int],
+                  prefix: str) -> list[dict[str, Any]]:
+    client: ClusterClient = systems["kvring"].client
     keys = _spread_keys(client, f"{prefix}/lookup/", max(sizes))
     tiny = np.zeros(256, dtype=np.uint8)  # presence is metadata only: the chunk size does not matter
-    _check(all(s >= 1 for s in client.put_many([(k, tiny, [1, 256], "uint8", TOKENS) for k in keys])), "kvring PUT")
-    if rds is not None:
-        rds.client.mset({k: b"x" for k in keys})
+    _check(all(client.put_many([(k, tiny, [1, 256], "uint8", TOKENS) for k in keys])), "kvring PUT")
+    probes: dict[str, Callable[[list[bytes]], Any]] = {"kvring": client.lookup,
+                                                       "zmq": lambda _: [systems["zmq"].ping()]}
+    if "redis" in systems:
+        systems["redis"].r.mset({k: b"x" for k in keys})
+        probes["redis"] = systems["redis"].exists
     out = []
     for n in sizes:
-        sub = keys[:n]
         res: dict[str, Any] = {"keys": n}
-        res["kvring"] = meter.latency_ms(f"kvring LOOKUP {n} keys", samples, lambda: client.lookup(sub),
-                                         lambda hits: _check(all(hits), "kvring LOOKUP"))
-        res["zmq_rtt"] = meter.latency_ms("raw ZMQ round trip", samples, raw.ping, lambda _: None)
-        if rds is not None:
-            def exists() -> list[Any]:
-                pipe = rds.client.pipeline(transaction=False)
-                for k in sub:
-                    pipe.exists(k)
-                return pipe.execute()
-            res["redis"] = meter.latency_ms(f"Redis EXISTS {n} keys", samples, exists,
-                                            lambda hits: _check(all(hits), "Redis EXISTS"))
+        for name, probe in probes.items():
+            ms = 1e3 * np.array(meter.times(f"{SYSTEMS[name]} LOOKUP {n} keys", samples,
+                                            lambda: probe(keys[:n]), lambda hits: all(hits)))
+            res[name] = {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
         out.append(res)
     client.delete(keys)
     return out
@@ -357,22 +363,24 @@ def _fmt(x: float | None, suffix: str = "") -> str:
 
 
 def _print_tables(console: Console, results: dict[str, Any]) -> None:
-    models = ", ".join(f"{s.name} = {s.model} {s.shape} bf16" for s in SPECS)
-    t = Table(title="Throughput, GB/s (median)", caption=f"{models}; iter_layers vs whole-chunk baselines")
-    for col in ("case", "size", "batch", "kvring", "raw ZMQ", "Redis", "vs ZMQ", "vs Redis"):
-        t.add_column(col, justify="left" if col in ("case", "size", "batch") else "right", no_wrap=True)
+    batch = results["config"]["batch"]
+    t = Table(title=f"Throughput, GB/s (median), {batch} chunks a request",
+              caption="; ".join(f"{s.name}: {s.model} {list(s.shape)} bf16, {s.nbytes / 2**20:.3g} MiB"
+                                for s in SPECS) + "\nGET stream: kvring iter_layers; ZMQ one message a layer; "
+                                                  "Redis GETRANGE a layer")
+    for col in ("case", "size", "kvring", "raw ZMQ", "Redis", "vs ZMQ", "vs Redis"):
+        t.add_column(col, justify="left" if col in ("case", "size") else "right", no_wrap=True)
     for r in results["throughput"]:
         kv, zq, rd = r["kvring_gbps"], r["zmq_gbps"], r["redis_gbps"]
-        per = r["bytes"] / r["batch"] / 2**20
-        t.add_row(r["case"], r["size"], f"{r['batch']}×{per:.3g} MiB", _fmt(kv), _fmt(zq),
-                  _fmt(rd), _fmt(kv / zq if zq else None, "×"), _fmt(kv / rd if rd else None, "×"))
+        t.add_row(r["case"], r["size"], _fmt(kv), _fmt(zq), _fmt(rd), _fmt(kv / zq if zq else None, "×"),
+                  _fmt(kv / rd if rd else None, "×"))
     console.print(t)
     lt = Table(title="LOOKUP latency, ms", caption="ZMQ: one small request-reply; Redis: pipelined EXISTS")
     for col in ("keys", "kvring p50", "kvring p99", "ZMQ RTT p50", "Redis p50", "Redis p99"):
         lt.add_column(col, justify="right")
     for r in results["lookup"]:
         rd = r.get("redis", {})
-        lt.add_row(str(r["keys"]), _fmt(r["kvring"]["p50"]), _fmt(r["kvring"]["p99"]), _fmt(r["zmq_rtt"]["p50"]),
+        lt.add_row(str(r["keys"]), _fmt(r["kvring"]["p50"]), _fmt(r["kvring"]["p99"]), _fmt(r["zmq"]["p50"]),
                    _fmt(rd.get("p50")), _fmt(rd.get("p99")))
     console.print(lt)
     if results["redis_skipped"]:
@@ -384,24 +392,22 @@ def _plot(path: Path, results: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["throughput"]
+    rows, lookups = results["throughput"], results["lookup"]
+    colors = {"kvring": "tab:blue", "zmq": "tab:orange", "redis": "tab:green"}
     fig, (ax, lx) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [3, 1]})
     x = np.arange(len(rows))
-    for j, (key, label) in enumerate((("kvring_gbps", "kvring"), ("zmq_gbps", "raw ZMQ"), ("redis_gbps", "Redis"))):
-        ax.bar(x + (j - 1) * 0.27, [r[key] or 0.0 for r in rows], 0.27, label=label)
+    for j, (name, label) in enumerate(SYSTEMS.items()):
+        ax.bar(x + (j - 1) * 0.27, [r[f"{name}_gbps"] or 0.0 for r in rows], 0.27, label=label, color=colors[name])
     ax.set_xticks(x, [f"{r['case']}\n{r['size']}" for r in rows], fontsize=8)
-    ax.set_ylabel("GB/s (median)")
-    ax.set_title("Throughput (iter_layers compared with whole-chunk baselines)")
+    ax.set(ylabel="GB/s (median)", title="Throughput (GET stream: kvring iter_layers, layer by layer)")
     ax.legend()
-    lk = results["lookup"]
-    series = [("kvring", "p50"), ("kvring", "p99"), ("redis", "p50"), ("redis", "p99")]
-    series = [s for s in series if all(s[0] in r for r in lk)]
-    lxx = np.arange(len(lk))
-    for j, (who, p) in enumerate(series):
-        lx.bar(lxx + (j - (len(series) - 1) / 2) * 0.2, [r[who][p] for r in lk], 0.2, label=f"{who} {p}")
-    lx.set_xticks(lxx, [f"{r['keys']} keys" for r in lk])
-    lx.set_ylabel("ms")
-    lx.set_title("LOOKUP latency")
+    series = [(name, p) for name in SYSTEMS for p in ("p50", "p99") if all(name in r for r in lookups)]
+    lxx, w = np.arange(len(lookups)), 0.8 / len(series)
+    for j, (name, p) in enumerate(series):
+        lx.bar(lxx + (j - (len(series) - 1) / 2) * w, [r[name][p] for r in lookups], w, color=colors[name],
+               alpha=1.0 if p == "p50" else 0.5, label=f"{SYSTEMS[name]} {p}")
+    lx.set_xticks(lxx, [f"{r['keys']} keys" for r in lookups])
+    lx.set(ylabel="ms", title="LOOKUP latency (ZMQ: one round trip)")
     lx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -413,35 +419,37 @@ def run_data_plane_bench(etcd: str | None, cluster: str, iterations: int, json_o
     """Measure, print the tables, write ``json_out`` / ``plot`` if given; returns the results."""
     console = Console()
     iters = max(1, min(iterations, 3) if quick else iterations)
-    batch, samples, sizes = (4, 100, (32, 128)) if quick else (8, 400, (32, 128))
+    batch, samples, sizes = (4, 100, (32, 128)) if quick else (8, 300, (32, 128))
     redis_bin = shutil.which("redis-server")
     redis_skipped = None if redis_bin else "no redis-server on PATH (install redis-server to compare)"
-    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    if redis_skipped:
+        console.print(f"[yellow]Redis baseline skipped: {redis_skipped}[/]")
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"  # never collides with (deduplicated) keys of an earlier run
     local = None if etcd else LocalCluster(nodes=3, memory=2 << 30, cluster=cluster).start()
-    client = raw = rds = None
+    systems: dict[str, Any] = {}
     try:
         client = ClusterClient(etcd or local.etcd, cluster=cluster)
+        systems["kvring"] = Kvring(client)
         if not client.wait_for_nodes(len(local.nodes) if local else 1, timeout=15):
-            raise BenchError("the cluster has no nodes in its ring")
-        raw = RawZmq()
+            raise BenchError(f"cluster {cluster!r} has no node in its ring")
+        systems["zmq"] = RawZmq()
         if redis_bin:
-            rds = RedisServer(redis_bin)
-        steps = (len(SPECS) * (iters + 1) * (4 + 3 + (3 if rds else 0))
-                 + len(sizes) * (samples + 1) * (2 + (1 if rds else 0)))
-        columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            systems["redis"] = Redis(redis_bin)
+        steps = (iters + 1) * len(SPECS) * len(CASES) * len(systems) + (samples + 1) * len(sizes) * len(systems)
+        columns = (TextColumn("{task.description:<30}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as progress:
             meter = Meter(progress, steps)
-            throughput = [r for spec in SPECS
-                          for r in _bench_size(spec, client, raw, rds, meter, iters, batch, prefix)]
-            lookup = _bench_lookup(client, raw, rds, meter, samples, sizes, prefix)
+            throughput = [r for spec in SPECS for r in _bench_size(spec, systems, meter, iters, batch, prefix)]
+            lookup = _bench_lookup(systems, meter, samples, sizes, prefix)
         results = {"config": {"nodes": len(client.ring), "replication": client.contract.replication,
                               "iterations": iters, "batch": batch, "lookup_samples": samples, "quick": quick,
-                              "cluster": "local" if local else etcd},
+                              "cluster": etcd or "local (3 nodes)"},
                    "throughput": throughput, "lookup": lookup, "redis_skipped": redis_skipped}
     finally:
-        for closable in (rds, raw, client, local):
-            if closable is not None:
-                closable.close()
+        for system in reversed(systems.values()):
+            (system.client if isinstance(system, Kvring) else system).close()
+        if local is not None:
+            local.close()
     _print_tables(console, results)
     if json_out is not None:
         json_out.write_text(json.dumps(results, indent=2))

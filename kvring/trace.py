@@ -11,8 +11,9 @@ never stored (``partial_blocks_dropped`` in the results counts them).
 Requests are replayed in timestamp order, one at a time, each as a serving engine would:
 LOOKUP all its keys (one batched call); hits = the longest present prefix; read the hit
 prefix back (GET of the first layer by default, which refreshes the nodes' LRU as a real
-load would, without moving every byte); PUT the blocks that were not present
-(``block_bytes`` each, ``[layers, block_bytes / layers]`` uint8, content derived from the key).
+load would, without moving every byte; ``load_hits="all"`` reads whole blocks, ``"none"``
+skips the read, and then LOOKUP alone does not refresh recency); PUT the blocks that were not
+present (``block_bytes`` each, ``[layers, block_bytes / layers]`` uint8, content from the key).
 An in-process ideal LRU with the cluster's total capacity in blocks is replayed alongside
 with the same prefix-hit rule.  Results: hit rate vs that ideal, stored bytes and key load
 per node (primary owners of the looked-up and stored keys), the nodes' own counters, speed.
@@ -24,13 +25,20 @@ import json
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.errors import KVRingError
 from kvring.cachenode.hashing import chained_hashes
+from kvring.cachenode.membership import Contract
+from kvring.local import LocalCluster
 from kvring.units import format_size
 
 logger = logging.getLogger(__name__)
@@ -111,34 +119,77 @@ def _max_mean(values: Sequence[float]) -> float:
     return float(np.max(values)) / mean if mean > 0 else 0.0
 
 
+@dataclass
+class _Tally:
+    """What the replay counts: prefix hits per request (kvring and ideal) and keys per primary owner."""
+
+    hits_kv: np.ndarray
+    hits_ideal: np.ndarray
+    lookup: Counter[str] = field(default_factory=Counter)
+    put: Counter[str] = field(default_factory=Counter)
+    get: Counter[str] = field(default_factory=Counter)
+    put_failed: int = 0
+    get_lost: int = 0
+    get_corrupt: int = 0
+
+
+def _replay(client: ClusterClient, keys_of: list[list[bytes]], lru: IdealLRU, block_bytes: int,
+            load_hits: str, console: Console) -> _Tally:
+    """Replay every request in order (LOOKUP, GET the hit prefix, PUT the absent blocks)."""
+    n = len(keys_of)
+    tally = _Tally(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+    sizes = np.cumsum([len(keys) for keys in keys_of])
+    shape, layers = block_shape(block_bytes), {"first-layer": (0, 1), "all": None}.get(load_hits)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("hit {task.fields[hit]:.3f} ideal {task.fields[ideal]:.3f}"),
+                  TimeRemainingColumn(), console=console) as progress:
+        task = progress.add_task("replaying", total=n, hit=0.0, ideal=0.0)
+        for i, keys in enumerate(keys_of):
+            if keys:
+                present = client.lookup(keys)
+                hit = prefix_hits(present)
+                owner = client.ring.primaries(keys)
+                tally.lookup.update(owner)
+                if hit and load_hits != "none":
+                    tally.get.update(owner[:hit])
+                    for key, chunk in zip(keys, client.get(keys[:hit], layers=layers)):
+                        if chunk is None:
+                            tally.get_lost += 1
+                        elif bytes(chunk.data[:64]) != block_payload(key, min(64, chunk.data.size)):
+                            tally.get_corrupt += 1
+                absent = [j for j, p in enumerate(present) if not p]
+                tally.put.update(owner[j] for j in absent)
+                try:
+                    stored = client.put_many([(keys[j], block_payload(keys[j], block_bytes), shape, "uint8",
+                                               BLOCK_TOKENS) for j in absent])
+                    tally.put_failed += stored.count(0)
+                except KVRingError as exc:
+                    logger.warning("PUT of %d blocks failed: %s", len(absent), exc)
+                    tally.put_failed += len(absent)
+                tally.hits_kv[i], tally.hits_ideal[i] = hit, lru.request(keys)
+            if i % 64 == 0 or i == n - 1:
+                done = max(int(sizes[i]), 1)
+                progress.update(task, completed=i + 1, hit=tally.hits_kv[:i + 1].sum() / done,
+                                ideal=tally.hits_ideal[:i + 1].sum() / done)
+    return tally
+
+
 def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | None = None,
               limit: int | None = None, block_bytes: int = 64 << 10, json_out: Path | None = None,
               plot: Path | None = None, *, cluster: str = "default", load_hits: str = "first-layer") -> dict:
     """Replay ``file`` against the cluster at ``etcd`` (or a local one started here); see the module doc."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from kvring.cachenode.client import ClusterClient
-    from kvring.cachenode.membership import Contract
-    from kvring.local import LocalCluster
-
     if load_hits not in LOAD_MODES:
         raise ValueError(f"load_hits must be one of {LOAD_MODES}, got {load_hits!r}")
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     console = Console()
     requests = load_trace(file, limit)
-    shape = block_shape(block_bytes)
     local = None if etcd else LocalCluster(nodes=nodes, memory=memory, contract=Contract(chunk_size=BLOCK_TOKENS))
     # A fresh local cluster is empty; on a shared one a per-run namespace keeps old blocks from counting as hits.
     namespace = "trace" if local else f"trace-{os.getpid()}-{time.time_ns()}"
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task("hashing", total=len(requests))
-        keys_of: list[list[bytes]] = []
-        for req in requests:
-            keys_of.append(request_keys(req, namespace))
-            progress.advance(task)
+    with console.status("hashing the trace's blocks ..."):
+        keys_of = [request_keys(req, namespace) for req in requests]
     blocks_requested = sum(map(len, keys_of))
-    partial_dropped = sum(len(r["hash_ids"]) for r in requests) - blocks_requested
     distinct = len({k for keys in keys_of for k in keys})
 
     if local is not None:
@@ -146,55 +197,16 @@ def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | Non
         local.start()
     try:
         with ClusterClient(etcd or local.etcd, cluster=cluster) as client:
-            if local is not None and not client.wait_for_nodes(nodes, timeout=15):
-                raise RuntimeError(f"only {len(client.ring)} of {nodes} nodes joined the ring")
+            if not client.wait_for_nodes(nodes if local else 1, timeout=15):
+                raise RuntimeError(f"only {len(client.ring)} nodes joined the ring")
             before = client.stats()
-            node_ids = list(client.ring.nodes)
-            index = {n: i for i, n in enumerate(node_ids)}
             capacity_blocks = sum(s.get("capacity", 0) for s in before.values()) // block_bytes
             if capacity_blocks >= distinct:
                 logger.warning("all %d distinct blocks fit in %d blocks of capacity: the hit rate will equal the "
                                "ideal trivially; choose --memory below %s per node to make eviction matter",
-                               distinct, capacity_blocks, format_size(distinct * block_bytes / len(node_ids)))
-            lru = IdealLRU(capacity_blocks)
-            lookup_load = np.zeros(len(node_ids), dtype=np.int64)
-            put_load = np.zeros(len(node_ids), dtype=np.int64)
-            get_load = np.zeros(len(node_ids), dtype=np.int64)
-            hits_kv = np.zeros(len(requests), dtype=np.int64)
-            hits_ideal = np.zeros(len(requests), dtype=np.int64)
-            sizes = np.fromiter(map(len, keys_of), dtype=np.int64, count=len(keys_of))
-            put_failed = get_lost = get_corrupt = 0
-            layers = {"first-layer": (0, 1), "all": None}.get(load_hits)
+                               distinct, capacity_blocks, format_size(distinct * block_bytes / len(client.ring)))
             t0 = time.perf_counter()
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                          TextColumn("hit {task.fields[hit]:.3f} ideal {task.fields[ideal]:.3f}"),
-                          TimeRemainingColumn(), console=console) as progress:
-                task = progress.add_task("replaying", total=len(requests), hit=0.0, ideal=0.0)
-                for i, keys in enumerate(keys_of):
-                    if keys:
-                        present = client.lookup(keys)
-                        hit = prefix_hits(present)
-                        owner = np.fromiter((index[n] for n in client.ring.primaries(keys)), np.int64, len(keys))
-                        missing = ~np.asarray(present, dtype=bool)
-                        lookup_load += np.bincount(owner, minlength=len(node_ids))
-                        put_load += np.bincount(owner[missing], minlength=len(node_ids))
-                        if hit and load_hits != "none":
-                            got = client.get(keys[:hit], layers=layers)
-                            get_load += np.bincount(owner[:hit], minlength=len(node_ids))
-                            for key, chunk in zip(keys, got):
-                                if chunk is None:
-                                    get_lost += 1
-                                elif bytes(chunk.data[:64]) != block_payload(key, block_bytes)[:64]:
-                                    get_corrupt += 1
-                        todo = [keys[j] for j in np.flatnonzero(missing)]
-                        stored = client.put_many([(k, block_payload(k, block_bytes), shape, "uint8", BLOCK_TOKENS)
-                                                  for k in todo])
-                        put_failed += sum(1 for s in stored if s == 0)
-                        hits_kv[i], hits_ideal[i] = hit, lru.request(keys)
-                    if i % 64 == 0 or i == len(requests) - 1:
-                        done = max(int(sizes[:i + 1].sum()), 1)
-                        progress.update(task, completed=i + 1, hit=hits_kv[:i + 1].sum() / done,
-                                        ideal=hits_ideal[:i + 1].sum() / done)
+            tally = _replay(client, keys_of, IdealLRU(capacity_blocks), block_bytes, load_hits, console)
             wall = time.perf_counter() - t0
             after = client.stats()
     finally:
@@ -202,37 +214,38 @@ def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | Non
             local.close()
 
     per_node: dict[str, dict] = {}
-    for j, node_id in enumerate(node_ids):
+    for node_id in sorted(set(before) | set(after) | set(tally.lookup)):  # the ring may change during a run
         a, b = after.get(node_id, {}), before.get(node_id, {})
         per_node[node_id] = {
             "used": a.get("used", 0), "chunks": a.get("chunks", 0), "capacity": a.get("capacity", 0),
             "evictions": a.get("evictions", 0) - b.get("evictions", 0),
             "node_hits": a.get("hits", 0) - b.get("hits", 0), "node_misses": a.get("misses", 0) - b.get("misses", 0),
-            "lookup_keys": int(lookup_load[j]), "put_keys": int(put_load[j]), "get_keys": int(get_load[j]),
-            "load": int(lookup_load[j] + put_load[j]), "errors": a.get("errors", {}),
+            "lookup_keys": tally.lookup[node_id], "put_keys": tally.put[node_id], "get_keys": tally.get[node_id],
+            "load": tally.lookup[node_id] + tally.put[node_id], "errors": a.get("errors", {}),
         }
-    hit_blocks, ideal_blocks = int(hits_kv.sum()), int(hits_ideal.sum())
+    hit_blocks, ideal_blocks = int(tally.hits_kv.sum()), int(tally.hits_ideal.sum())
     total = max(blocks_requested, 1)
-    cum = np.maximum(np.cumsum(sizes), 1)
-    cum_kv, cum_ideal = np.cumsum(hits_kv) / cum, np.cumsum(hits_ideal) / cum
-    pick = np.unique(np.linspace(0, len(requests) - 1, min(len(requests), 400)).astype(int)) if len(requests) else []
+    cum = np.maximum(np.cumsum([len(keys) for keys in keys_of]), 1)
+    pick = np.unique(np.linspace(0, len(requests) - 1, min(len(requests), 400)).astype(int)) if requests else []
     results = {
         "trace": str(file), "requests": len(requests), "blocks_requested": blocks_requested,
-        "partial_blocks_dropped": partial_dropped, "distinct_blocks": distinct,
-        "nodes": len(node_ids), "memory_per_node": memory if local else None, "block_bytes": block_bytes,
-        "block_shape": shape, "capacity_blocks": capacity_blocks,
+        "partial_blocks_dropped": sum(len(r["hash_ids"]) for r in requests) - blocks_requested,
+        "distinct_blocks": distinct, "nodes": len(per_node), "memory_per_node": memory if local else None,
+        "block_bytes": block_bytes, "block_shape": block_shape(block_bytes), "capacity_blocks": capacity_blocks,
         "capacity_fraction_of_distinct": capacity_blocks / max(distinct, 1), "load_hits": load_hits,
         "hit_blocks": hit_blocks, "hit_rate": hit_blocks / total,
         "ideal_lru_hit_blocks": ideal_blocks, "ideal_lru_hit_rate": ideal_blocks / total,
-        "ratio_to_ideal": hit_blocks / ideal_blocks if ideal_blocks else float("nan"),
+        "ratio_to_ideal": hit_blocks / ideal_blocks if ideal_blocks else None,
         "compulsory_bound_hit_rate": (blocks_requested - distinct) / total,
-        "put_blocks": int(put_load.sum()), "put_failed": put_failed, "get_lost": get_lost, "get_corrupt": get_corrupt,
+        "put_blocks": tally.put.total(), "put_failed": tally.put_failed,
+        "get_lost": tally.get_lost, "get_corrupt": tally.get_corrupt,
         "bytes_max_mean": _max_mean([p["used"] for p in per_node.values()]),
         "load_max_mean": _max_mean([p["load"] for p in per_node.values()]),
         "wall_s": wall, "requests_per_s": len(requests) / wall if wall > 0 else 0.0,
         "per_node": per_node,
         "curve": {"request": [int(i) + 1 for i in pick],
-                  "kvring": [float(cum_kv[i]) for i in pick], "ideal_lru": [float(cum_ideal[i]) for i in pick]},
+                  "kvring": [float(v) for v in (np.cumsum(tally.hits_kv) / cum)[pick]],
+                  "ideal_lru": [float(v) for v in (np.cumsum(tally.hits_ideal) / cum)[pick]]},
     }
     _print_tables(console, results)
     if json_out is not None:
@@ -244,7 +257,7 @@ def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | Non
     return results
 
 
-def _print_tables(console, r: dict) -> None:
+def _print_tables(console: Console, r: dict) -> None:
     from rich.table import Table
 
     summary = Table(title=f"trace replay: {Path(r['trace']).name}", show_header=False)
@@ -258,7 +271,7 @@ def _print_tables(console, r: dict) -> None:
         ("capacity (blocks)", f"{r['capacity_blocks']:,} ({r['capacity_fraction_of_distinct']:.1%} of distinct)"),
         ("kvring hit rate", f"{r['hit_rate']:.4f}"),
         ("ideal LRU hit rate", f"{r['ideal_lru_hit_rate']:.4f}"),
-        ("ratio kvring / ideal", f"{r['ratio_to_ideal']:.4f}"),
+        ("ratio kvring / ideal", "n/a" if r["ratio_to_ideal"] is None else f"{r['ratio_to_ideal']:.4f}"),
         ("bound: all repeats hit", f"{r['compulsory_bound_hit_rate']:.4f}"),
         ("stored bytes max/mean", f"{r['bytes_max_mean']:.3f}"),
         ("key load max/mean (lookups+puts)", f"{r['load_max_mean']:.3f}"),
@@ -303,13 +316,13 @@ def _plot(r: dict, path: Path) -> None:
     ax2.bar(names, [per[n]["used"] / 2**20 for n in names], color="tab:green", label="used")
     ax2.plot(names, [per[n]["capacity"] / 2**20 for n in names], "k_", markersize=30, label="capacity")
     ax2.set(ylabel="MiB", title=f"stored bytes (max/mean {r['bytes_max_mean']:.3f})")
-    ax2.set_ylim(0, max(per[n]["capacity"] for n in names) / 2**20 * 1.25)
+    ax2.set_ylim(0, max(max(per[n]["capacity"] for n in names) / 2**20, 1) * 1.25)
     ax2.legend(loc="upper right", ncols=2)
     lookups = np.array([per[n]["lookup_keys"] for n in names])
     ax3.bar(names, lookups, label="lookup keys")
     ax3.bar(names, [per[n]["put_keys"] for n in names], bottom=lookups, label="put keys")
     ax3.set(ylabel="keys (primary owner)", title=f"key load (max/mean {r['load_max_mean']:.3f})")
-    ax3.set_ylim(0, max(per[n]["load"] for n in names) * 1.25)
+    ax3.set_ylim(0, max(max(per[n]["load"] for n in names), 1) * 1.25)
     ax3.legend(loc="upper right", ncols=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

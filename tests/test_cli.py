@@ -83,7 +83,7 @@ def test_node_http_endpoints(cluster_factory):
     with urllib.request.urlopen(admin + "/metrics", timeout=5) as r:
         metrics = r.read().decode()
     for name in ("kvring_node_bytes_used", "kvring_node_capacity_bytes 1.6777216e+07", "kvring_node_chunks",
-                 "kvring_node_hits_total", "kvring_node_misses_total", "kvring_node_evictions_total",
+                 'kvring_node_hits_total{op="lookup"}', 'kvring_node_misses_total{op="get"}', "kvring_node_evictions_total",
                  'kvring_node_errors_total{kind="bad_header"}', "kvring_node_op_seconds_bucket"):
         assert name in metrics, name
     with urllib.request.urlopen(admin + "/stats", timeout=5) as r:

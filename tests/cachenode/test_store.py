@@ -56,9 +56,11 @@ def test_leases_protect_until_they_expire():
     for i in range(10):
         _put(store, b"k%d" % i)
     assert store.lookup([b"k0", b"k1", b"missing"], lease_ms=500) == [True, True, False]
+    for i in range(2, 10):  # k0 and k1 become the least recently used ...
+        store.get(b"k%d" % i)
     _put(store, b"x")
     _put(store, b"y")
-    assert b"k0" in store and b"k1" in store  # leased, skipped
+    assert b"k0" in store and b"k1" in store  # ... but leased, so skipped
     assert b"k2" not in store and b"k3" not in store
     clock.t = 1.0  # leases ran out
     _put(store, b"z")
@@ -76,6 +78,15 @@ def test_leases_cannot_pin_the_store_full():
     # Even a chunk needing more than the unleased half still fits: leases give way.
     assert _put(store, b"big", 800)
     assert store.used <= 1000
+
+
+def test_lookup_hits_count_as_use():
+    store = ChunkStore(300)
+    for k in (b"a", b"b", b"c"):
+        _put(store, k)
+    assert store.lookup([b"a"]) == [True]
+    _put(store, b"d")
+    assert b"a" in store and b"b" not in store
 
 
 def test_fifo_ignores_reads():
