@@ -112,9 +112,11 @@ def up(
             demo_workload(cluster_.etcd, cluster, echo=typer.echo)
             return
         typer.echo("Press Ctrl-C to stop.")
+        exited: set[str] = set()
         while not stop["now"]:
             for n in cluster_.nodes:
-                if n.proc.poll() is not None:
+                if n.node_id not in exited and n.proc.poll() is not None:
+                    exited.add(n.node_id)
                     typer.echo(f"warning: {n.node_id} exited with code {n.proc.returncode}", err=True)
             time.sleep(0.2)
     finally:
