@@ -64,6 +64,7 @@ class LayerBatch:
     layer: int
     indices: list[int]  # positions in the caller's key list
     views: list[memoryview]  # that layer's bytes of each key, zero-copy from the socket
+    span: bool = False  # (``get`` only) each view holds layers [layer, end) of its key
 
 
 class _Node:
@@ -465,16 +466,18 @@ class ClusterClient:
         found: list[ChunkMeta | None] = [None] * len(keys)
         out: list[Chunk | None] = [None] * len(keys)
         start = layers[0] if layers is not None else 0
-        for batch in self.iter_layers(keys, layers, found):
+        for batch in self._stream(keys, layers, found, stream=False):
             for i, view in zip(batch.indices, batch.views):
+                meta = found[i]
+                end = meta.layers if layers is None or layers[1] == -1 else layers[1]
                 chunk = out[i]
-                if chunk is None or chunk.meta is not found[i]:
-                    meta = found[i]
-                    end = meta.layers if layers is None or layers[1] == -1 else layers[1]
-                    chunk = out[i] = Chunk(keys[i], meta, start, end,
-                                           np.empty((end - start) * meta.layer_bytes, dtype=np.uint8))
-                off = (batch.layer - start) * chunk.meta.layer_bytes
-                chunk.data[off:off + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+                if chunk is None or chunk.meta is not meta:
+                    data = np.frombuffer(view, dtype=np.uint8) if batch.span else np.empty(
+                        (end - start) * meta.layer_bytes, dtype=np.uint8)
+                    chunk = out[i] = Chunk(keys[i], meta, start, end, data)
+                if not batch.span:
+                    off = (batch.layer - start) * meta.layer_bytes
+                    chunk.data[off:off + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
         return [c if found[i] is not None else None for i, c in enumerate(out)]
 
     def iter_layers(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
@@ -488,7 +491,9 @@ class ClusterClient:
         failover a key's layers may be delivered again from another replica (same bytes), so
         consumers must treat deliveries as idempotent writes.
         """
-        keys = list(keys)
+        yield from self._stream(list(keys), layers, found, stream=True)
+
+    def _stream(self, keys: list[bytes], layers, found, stream: bool) -> Iterator[LayerBatch]:
         start, end = layers if layers is not None else (0, -1)
         if start < 0 or (end != -1 and end <= start):
             raise ValueError(f"layer range {layers} is empty or negative")
@@ -508,7 +513,7 @@ class ClusterClient:
             for node_id, local in groups.items():
                 idx = [todo[j] for j in local]
                 msg = P.Get(rid=next(self._rids), epoch=ring.epoch, keys=[keys[i] for i in idx],
-                            layer_start=start, layer_end=end)
+                            layer_start=start, layer_end=end, stream=stream)
                 streams[msg.rid] = (node_id, idx, [])
                 self._loop.call_soon_threadsafe(self._send_stream, node_id, msg, results)
             retry: list[int] = []
@@ -550,20 +555,25 @@ class ClusterClient:
                         del streams[reply.rid]
                 elif isinstance(reply, P.GetLayer):
                     good_idx, good_views = [], []
-                    for pos, view, checksum in zip(reply.which, frames, reply.checksums):
+                    sums = iter(reply.checksums)
+                    for pos, view in zip(reply.which, frames):
                         i = idx[pos]
                         buf = view.buffer
-                        if self.verify and xxhash.xxh3_64_intdigest(buf) != checksum:
-                            logger.warning("checksum mismatch in layer %d of a chunk from %s", reply.layer, node_id)
+                        meta = found[i]
+                        n = want[i] if reply.span else 1
+                        lb = meta.layer_bytes if meta is not None else 0
+                        expected = [next(sums, None) for _ in range(n)]
+                        if meta is None or buf.nbytes != n * lb or (self.verify and any(
+                                xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) != expected[j] for j in range(n))):
+                            logger.warning("bad or corrupt layer %d of a chunk from %s", reply.layer, node_id)
                             found[i] = None
                             retry.append(i)
                             continue
-                        if found[i] is not None:
-                            good_idx.append(i)
-                            good_views.append(buf)
-                            want[i] -= 1
+                        good_idx.append(i)
+                        good_views.append(buf)
+                        want[i] -= n
                     if good_idx:
-                        yield LayerBatch(reply.layer, good_idx, good_views)
+                        yield LayerBatch(reply.layer, good_idx, good_views, reply.span)
                     if reply.last:
                         for i in got:
                             done[i] = found[i] is not None and want[i] == 0

@@ -257,6 +257,18 @@ class CacheNode:
         if not found:
             return
         sent = 0
+        if not req.stream:  # one message, each key's whole range as one contiguous frame
+            which, views, checksums = [], [], []
+            for pos, e in found:
+                lb, stop = e.meta.layer_bytes, min(end, e.meta.layers)
+                which.append(pos)
+                views.append(e.buf[req.layer_start * lb:stop * lb])
+                checksums.extend(e.meta.checksums[req.layer_start:stop])
+                sent += views[-1].nbytes
+            self._send(ident, P.GetLayer(rid=req.rid, layer=req.layer_start, which=which, checksums=checksums,
+                                         last=True, span=True), views)
+            self.metrics.bytes_out.inc(sent)
+            return
         for layer in range(req.layer_start, end):
             which, views, checksums = [], [], []
             for pos, e in found:

@@ -69,11 +69,15 @@ class Lookup(_Msg, tag="lookup"):
 
 
 class Get(_Msg, tag="get"):
-    """Layers ``[layer_start, layer_end)`` of ``keys`` (``layer_end = -1``: through the last)."""
+    """Layers ``[layer_start, layer_end)`` of ``keys`` (``layer_end = -1``: through the last).
+
+    ``stream``: one ``GetLayer`` per layer (for layerwise consumers); otherwise a single
+    ``GetLayer`` with ``span=True`` carries each key's whole range as one frame."""
 
     keys: list[bytes]
     layer_start: int = 0
     layer_end: int = -1
+    stream: bool = True
 
 
 class Put(_Msg, tag="put"):
@@ -121,8 +125,9 @@ class GetLayer(_Msg, tag="get_layer"):
 
     layer: int
     which: list[int]
-    checksums: list[int]
+    checksums: list[int]  # span: every layer's checksum of each key in turn
     last: bool = False
+    span: bool = False  # each frame holds the key's layers [layer, end) back to back
 
 
 class PutReply(_Msg, tag="put_ok"):
