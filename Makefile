@@ -13,7 +13,7 @@ up: setup
 	.venv/bin/kvring up --nodes 3 --memory 1GiB
 
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider tests
+	.venv/bin/python -P -m pytest -q -p no:cacheprovider tests
 
 bench: setup
 	.venv/bin/kvring bench data-plane --json out/bench-data-plane.json --plot out/bench-data-plane.png

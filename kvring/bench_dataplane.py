@@ -27,7 +27,6 @@ Method
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
@@ -51,6 +50,7 @@ from rich.table import Table
 
 from kvring.cachenode.client import ClusterClient
 from kvring.local import LocalCluster, free_port
+from kvring.report import write_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class RawZmq:
     def __init__(self) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         # A plain child interpreter, not multiprocessing: works whatever the caller's __main__ is.
-        self.proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import _zmq_server; "
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", f"from {__name__} import _zmq_server; "
                                       f"_zmq_server({endpoint!r})"], start_new_session=True)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -451,10 +451,5 @@ def run_data_plane_bench(etcd: str | None, cluster: str, iterations: int, json_o
         if local is not None:
             local.close()
     _print_tables(console, results)
-    if json_out is not None:
-        json_out.write_text(json.dumps(results, indent=2))
-        console.print(f"results written to {json_out}")
-    if plot is not None:
-        _plot(plot, results)
-        console.print(f"plot written to {plot}")
+    write_outputs(console, results, json_out, plot, lambda r, path: _plot(path, r))
     return results

@@ -116,7 +116,7 @@ class NodeProcess:
 
     def command(self) -> list[str]:
         c = self.contract
-        return [sys.executable, "-m", "kvring.cli", "node", "--node-id", self.node_id,
+        return [sys.executable, "-P", "-m", "kvring.cli", "node", "--node-id", self.node_id,
                 "--memory", str(self.memory), "--etcd", self.etcd, "--cluster", self.cluster,
                 "--lease-ttl", str(self.lease_ttl), "--data-port", str(self.data_port),
                 "--admin-port", str(self.admin_port), "--chunk-size", str(c.chunk_size),

@@ -39,6 +39,7 @@ from kvring.cachenode.errors import KVRingError
 from kvring.cachenode.hashing import chained_hashes
 from kvring.cachenode.membership import Contract
 from kvring.local import LocalCluster
+from kvring.report import write_outputs
 from kvring.units import format_size
 
 logger = logging.getLogger(__name__)
@@ -248,12 +249,7 @@ def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | Non
                   "ideal_lru": [float(v) for v in (np.cumsum(tally.hits_ideal) / cum)[pick]]},
     }
     _print_tables(console, results)
-    if json_out is not None:
-        json_out.write_text(json.dumps(results, indent=2))
-        console.print(f"wrote {json_out}")
-    if plot is not None:
-        _plot(results, plot)
-        console.print(f"wrote {plot}")
+    write_outputs(console, results, json_out, plot, _plot)
     return results
 
 

@@ -17,15 +17,17 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO systemctl disable --now etcd redis-server >/dev/null 2>&1 || true
 fi
 
+# -P: never put the working directory on sys.path; this repository's top-level `operator/`
+# folder (imported as kvring.operator) would otherwise shadow the standard library's operator.
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
-  "$PY" -m venv .venv
+  "$PY" -P -m venv .venv
 fi
 stamp=.venv/.kvring-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing kvring and its dependencies into .venv"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -P -m pip install -q --upgrade pip
+  .venv/bin/python -P -m pip install -q -e ".[test]"
   touch "$stamp"
 fi

@@ -14,7 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
-KVRING = [sys.executable, "-m", "kvring.cli"]
+KVRING = [sys.executable, "-P", "-m", "kvring.cli"]  # -P: see scripts/setup.sh
 
 
 @pytest.mark.parametrize("args", [[], ["up"], ["node"], ["ring"], ["trace"], ["bench"], ["bench", "data-plane"]])
