@@ -460,13 +460,16 @@ class ClusterClient:
         total = sum(memoryview(p).nbytes for _, _, p in prepared)
         return self._call(self._put(prepared), timeout=self.timeout * 2 + total / 100e6)
 
-    def get(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None) -> list[Chunk | None]:
-        """Read chunks (whole, or layers ``[start, end)``); ``None`` where a key is missing."""
+    def get(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
+            node: str | None = None) -> list[Chunk | None]:
+        """Read chunks (whole, or layers ``[start, end)``); ``None`` where a key is missing.
+
+        ``node`` reads from that node only, whoever owns the keys (handoff, inspection)."""
         keys = list(keys)
         found: list[ChunkMeta | None] = [None] * len(keys)
         out: list[Chunk | None] = [None] * len(keys)
         start = layers[0] if layers is not None else 0
-        for batch in self._stream(keys, layers, found, stream=False):
+        for batch in self._stream(keys, layers, found, stream=False, pin=node):
             for i, view in zip(batch.indices, batch.views):
                 meta = found[i]
                 end = meta.layers if layers is None or layers[1] == -1 else layers[1]
@@ -493,7 +496,7 @@ class ClusterClient:
         """
         yield from self._stream(list(keys), layers, found, stream=True)
 
-    def _stream(self, keys: list[bytes], layers, found, stream: bool) -> Iterator[LayerBatch]:
+    def _stream(self, keys: list[bytes], layers, found, stream: bool, pin: str | None = None) -> Iterator[LayerBatch]:
         start, end = layers if layers is not None else (0, -1)
         if start < 0 or (end != -1 and end <= start):
             raise ValueError(f"layer range {layers} is empty or negative")
@@ -507,8 +510,11 @@ class ClusterClient:
         for _ in range(self.contract.replication + 2):
             if not todo:
                 break
-            groups = self._route([keys[i] for i in todo], ring,
-                                 skip={j: skip.get(i, set()) for j, i in enumerate(todo)})
+            if pin is not None:
+                groups = {pin: list(range(len(todo)))}
+            else:
+                groups = self._route([keys[i] for i in todo], ring,
+                                     skip={j: skip.get(i, set()) for j, i in enumerate(todo)})
             streams: dict[int, tuple[str, list[int], list[int]]] = {}
             for node_id, local in groups.items():
                 idx = [todo[j] for j in local]
@@ -584,8 +590,8 @@ class ClusterClient:
             for i in retry:
                 found[i] = None
                 skip.setdefault(i, set()).add(owner_of.get(i, ""))
-            todo = sorted(set(i for i in retry if not done[i]))
-            prev = self._previous_ring()
+            todo = sorted(set(i for i in retry if not done[i])) if pin is None else []
+            prev = self._previous_ring() if pin is None else None
             if not todo and not used_prev and prev is not None:
                 moved = [i for i in missing if not done[i]
                          and set(prev.owners(keys[i])) - set(self.ring.owners(keys[i]))]
@@ -631,15 +637,22 @@ class ClusterClient:
         self._call(self._simple(node_id, P.Ping(rid=next(self._rids))), timeout=self.timeout + 1)
         return time.perf_counter() - t0
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Delete keys from all their owners; returns how many chunk copies were removed."""
+    def delete(self, keys: Sequence[bytes], node: str | None = None) -> int:
+        """Delete keys from all their owners (or from ``node`` only); returns copies removed."""
         keys = list(keys)
+
         async def run():
             groups: dict[str, list[bytes]] = defaultdict(list)
-            for key in keys:
-                for node_id in self.ring.owners(key):
+            for key, owners in zip(keys, self.ring.owners_many(keys) if node is None else [[node]] * len(keys)):
+                for node_id in owners:
                     groups[node_id].append(key)
             replies = await asyncio.gather(*(self._simple(n, P.Delete(rid=next(self._rids), keys=ks))
                                              for n, ks in groups.items()), return_exceptions=True)
             return sum(r.deleted for r in replies if isinstance(r, P.DeleteReply))
         return self._call(run(), timeout=self.timeout + 1)
+
+    def list_keys(self, node: str, after: bytes = b"", limit: int = 10_000) -> list[bytes]:
+        """Keys stored on ``node``, in byte order, starting after ``after`` (paged)."""
+        reply = self._call(self._simple(node, P.ListKeys(rid=next(self._rids), after=after, limit=limit)),
+                           timeout=self.timeout + 1)
+        return reply.keys

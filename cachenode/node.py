@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import protocol as P
 from .chunk import validate_meta
 from .errors import ContractMismatch, MembershipError, ProtocolError
+from .handoff import Handoff
 from .membership import Contract, Etcd, EtcdSettings, NodeRecord, Registrar
 from .metrics import NodeMetrics
 from .policy import make_policy
@@ -55,6 +56,7 @@ class NodeConfig:
     etcd: EtcdSettings | None = None
     lease_ttl: int = 10
     contract: Contract = field(default_factory=Contract)
+    handoff: bool = True
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -98,6 +100,7 @@ class CacheNode:
             pid=os.getpid(),
         )
         self.registrar: Registrar | None = None
+        self.handoff: Handoff | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self.fatal: str | None = None
@@ -117,6 +120,10 @@ class CacheNode:
             ready.wait(self.config.etcd.timeout * 3 + 1)
             if self.fatal:
                 raise ContractMismatch(self.fatal)
+            if self.config.handoff:
+                self.handoff = Handoff(self.config.node_id, self.config.etcd, self.config.contract,
+                                       state=lambda: self.record.state)
+                self.handoff.start()
 
     def _membership_thread(self, ready: threading.Event) -> None:
         loop = asyncio.new_event_loop()
@@ -168,6 +175,8 @@ class CacheNode:
         self._shutdown()
 
     def _shutdown(self) -> None:
+        if self.handoff is not None:
+            self.handoff.stop()
         if self.registrar is not None and self._loop is not None and self._loop.is_running():
             fut = asyncio.run_coroutine_threadsafe(self.registrar.deregister(), self._loop)
             try:
@@ -334,6 +343,7 @@ class CacheNode:
             "errors": dict(m.error_tally),
             "registered": bool(self.registrar and self.registrar.registered.is_set()),
             "registrations": self.registrar.registrations if self.registrar else 0,
+            "handed_off": self.handoff.moved if self.handoff else 0,
             "uptime_s": round(time.time() - self.started, 3),
             "pid": os.getpid(),
         }

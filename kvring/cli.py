@@ -48,6 +48,7 @@ def node(
     max_chunk_bytes: Annotated[str | None, typer.Option(help="Largest chunk accepted [default: 256MiB or --memory if less].")] = None,
     policy: Annotated[str, typer.Option(help="Eviction policy: lru or fifo.")] = "lru",
     lease_ttl: Annotated[int, typer.Option(help="etcd lease TTL in seconds.")] = 10,
+    handoff: Annotated[bool, typer.Option(help="Move chunks this node no longer owns to their owners.")] = True,
     chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.")] = 256,
     vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).")] = 1024,
     replication: Annotated[int, typer.Option(help="Contract: owners per chunk.")] = 1,
@@ -64,7 +65,7 @@ def node(
             admin_port=admin_port, advertise_host=advertise_host,
             max_chunk_bytes=(_size(max_chunk_bytes, "--max-chunk-bytes") if max_chunk_bytes
                              else min(256 << 20, _size(memory, "--memory"))), policy=policy,
-            etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl,
+            etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl, handoff=handoff,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -209,8 +209,9 @@ class LocalCluster:
         return self
 
     def add_node(self, memory: int | None = None) -> NodeProcess:
-        node = NodeProcess(f"node-{len(self.nodes)}", memory or self.nodes[0].memory, self.etcd, self.cluster,
-                           self.nodes[0].lease_ttl, self.contract)
+        first = self.nodes[0]
+        node = NodeProcess(f"node-{len(self.nodes)}", memory or first.memory, self.etcd, self.cluster,
+                           first.lease_ttl, self.contract, list(first.extra))
         self.nodes.append(node.start())
         return node
 

@@ -105,7 +105,7 @@ def test_replica_serves_reads_when_a_node_is_killed(cluster_factory):
 
 
 def test_reads_fall_back_to_the_previous_owner_after_a_ring_change(cluster_factory):
-    cluster = cluster_factory(nodes=2)
+    cluster = cluster_factory(nodes=2, node_args=["--no-handoff"])  # the fallback alone
     rng = np.random.default_rng(4)
     data = {os.urandom(16): rng.integers(0, 256, size=1024, dtype=np.uint8) for _ in range(300)}
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
@@ -119,6 +119,31 @@ def test_reads_fall_back_to_the_previous_owner_after_a_ring_change(cluster_facto
         assert client.lookup(moved) == [True] * len(moved)
         got = client.get(moved)
         assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(moved, got))
+
+
+def test_chunks_are_handed_off_to_their_new_owner(cluster_factory):
+    cluster = cluster_factory(nodes=2)
+    rng = np.random.default_rng(8)
+    data = {os.urandom(16): rng.integers(0, 256, size=1024, dtype=np.uint8) for _ in range(300)}
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+        assert client.wait_for_nodes(2)
+        client.put_many([(k, v, [2, 512], "uint8", 4) for k, v in data.items()])
+        cluster.add_node()
+        assert client.wait_for_nodes(3)
+        moved = [k for k in data if client.ring.owners(k) == ["node-2"]]
+        assert len(moved) > 30
+
+        def settled():
+            stats = client.stats()
+            return stats["node-2"].get("chunks") == len(moved) and sum(s["chunks"] for s in stats.values()) == 300
+        assert _wait(settled, 20) is not None, client.stats()
+        assert sum(s["handed_off"] for s in client.stats().values()) == len(moved)
+        # Each chunk now lives only on its owner, byte-identical.
+        assert set(client.list_keys("node-2")) == set(moved)
+        got = client.get(moved, node="node-2")
+        assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(moved, got))
+        for node_id in ("node-0", "node-1"):
+            assert not set(client.list_keys(node_id)) & set(moved)
 
 
 def test_etcd_outage_keeps_data_plane_up_and_nodes_reregister():
