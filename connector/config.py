@@ -1,0 +1,94 @@
+"""The connector's settings, read once from ``kv_connector_extra_config`` and ``KVRING_*``.
+
+Precedence: an explicit ``kv_connector_extra_config`` entry wins over the environment, which
+wins over the default.  Bad values raise ``ValueError`` naming the setting and what to set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+LOAD_MODES = ("layerwise", "bulk")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Settings of one KVRingConnector (both roles read the same)."""
+
+    # etcd endpoints of the cluster, "host:port[,host:port]" (what `kvring up` prints).
+    etcd: str
+    # Cluster name: the key prefix in etcd.
+    cluster: str = "default"
+    # layerwise: load layer l+1.. while layer l computes; bulk: load all layers before the forward.
+    load_mode: str = "layerwise"
+    # Also save a prompt's last, partial chunk (LMCache's save_unfull_chunk).
+    save_unfull_chunk: bool = False
+    # Also save KV produced while decoding.
+    save_decode_cache: bool = False
+    # Seconds to wait for a node before its chunks count as failed (then recomputed).
+    timeout: float = 5.0
+    # How long a lookup protects the chunks it found from eviction, in milliseconds.
+    lookup_lease_ms: int = 30_000
+    # Layers requested ahead of the one being computed in layerwise mode.
+    prefetch_layers: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.etcd:
+            raise ValueError('KVRingConnector needs the cluster\'s etcd endpoints: set "etcd" in '
+                             'kv_connector_extra_config or KVRING_ETCD (kvring up prints both)')
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r} "
+                             "(kv_connector_extra_config 'load_mode' or KVRING_LOAD_MODE)")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {self.timeout} (KVRING_TIMEOUT)")
+        if self.lookup_lease_ms < 0:
+            raise ValueError(f"lookup_lease_ms must be >= 0, got {self.lookup_lease_ms} (KVRING_LOOKUP_LEASE_MS)")
+        if self.prefetch_layers < 1:
+            raise ValueError(f"prefetch_layers must be >= 1, got {self.prefetch_layers} (KVRING_PREFETCH_LAYERS)")
+
+    @classmethod
+    def from_sources(cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            env = environ.get(f"KVRING_{name.upper()}")
+            raw = extra.get(name, env)
+            if raw is None:
+                continue
+            values[name] = _convert(name, raw, f.type)
+        if "etcd" not in values:
+            values["etcd"] = ""
+        return cls(**values)
+
+
+def _convert(name: str, raw: Any, type_name: str) -> Any:
+    try:
+        if type_name == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+            raise ValueError
+        if type_name == "int":
+            if isinstance(raw, bool):
+                raise ValueError
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a {type_name}, got {raw!r} (kv_connector_extra_config "
+                         f"'{name}' or KVRING_{name.upper()})") from None
