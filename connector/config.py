@@ -36,6 +36,8 @@ class ConnectorConfig:
     lookup_lease_ms: int = 30_000
     # Layers requested ahead of the one being computed in layerwise mode.
     prefetch_layers: int = 4
+    # Tokens per chunk; must equal the cluster's (None: take the cluster's).
+    chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -82,7 +84,7 @@ def _convert(name: str, raw: Any, type_name: str) -> Any:
             if text in _FALSE:
                 return False
             raise ValueError
-        if type_name == "int":
+        if type_name in ("int", "int | None"):
             if isinstance(raw, bool):
                 raise ValueError
             return int(raw)

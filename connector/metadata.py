@@ -1,0 +1,42 @@
+"""What the scheduler side tells the worker side each step (plain, picklable data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadSpec:
+    """Load chunks ``keys`` into the slots of tokens ``[start, end)`` of the request."""
+
+    keys: list[bytes]
+    start: int  # first token of the first chunk (vLLM's cached prefix rounded down to a chunk)
+    write_from: int  # first token actually written (tokens before it are already in vLLM)
+    end: int  # one past the last token to write (at most the prompt length - 1)
+
+
+@dataclass
+class SaveSpec:
+    """Save the whole chunks ``keys``, covering tokens ``[start, end)`` of the request."""
+
+    keys: list[bytes]
+    start: int
+    end: int
+
+
+@dataclass
+class ReqMeta:
+    req_id: str
+    # slot_mapping[t] = block_id * block_size + offset, for every token of the request so far.
+    slot_mapping: np.ndarray
+    block_ids: list[int]
+    load: LoadSpec | None = None
+    save: SaveSpec | None = None
+
+
+@dataclass
+class KVRingMetadata(KVConnectorMetadata):
+    requests: list[ReqMeta] = field(default_factory=list)

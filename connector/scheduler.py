@@ -1,0 +1,117 @@
+"""Scheduler side: chunk keys, prefix lookups, and the per-step load/save plan."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvring.cachenode import ClusterClient, KVRingError
+
+from .config import ConnectorConfig
+from .keys import KVLayout, MMSpan, request_keys
+from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestTracker:
+    """What the scheduler side remembers of a running request."""
+
+    req_id: str
+    prompt_len: int
+    keys: list[bytes]  # keys of the prompt's whole chunks
+    block_ids: list[int]
+    saved_chunks: int  # chunks known to be in the cluster (hit or saved)
+
+
+def _mm_spans(request) -> list[MMSpan]:
+    spans = []
+    for f in getattr(request, "mm_features", None) or []:
+        pos = getattr(f, "mm_position", None)
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        if pos is not None and ident:
+            spans.append(MMSpan(offset=int(pos.offset), length=int(pos.length), item_hash=str(ident)))
+    return spans
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, layout: KVLayout, client: ClusterClient, block_size: int) -> None:
+        self.config = config
+        self.layout = layout
+        self.client = client
+        self.block_size = block_size
+        self.chunk = layout.chunk_size
+        self._lookups: dict[str, tuple[list[bytes], int, int]] = {}  # req -> (keys, hit chunks, hit tokens)
+        self._pending_load: dict[str, LoadSpec] = {}
+        self._trackers: dict[str, RequestTracker] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.prompt_token_ids or [])
+        keys = request_keys(self.layout, tokens, getattr(request, "cache_salt", None), _mm_spans(request))
+        try:
+            hit = self.client.lookup_prefix(keys, lease_ms=self.config.lookup_lease_ms) if keys else 0
+        except KVRingError as exc:
+            logger.warning("kvring lookup failed, recomputing: %s", exc)
+            hit = 0
+        hit_tokens = min(hit * self.chunk, len(tokens) - 1)  # the last token is always computed
+        self._lookups[request.request_id] = (keys, hit, hit_tokens)
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        keys, _, hit_tokens = self._lookups[request.request_id]
+        vllm_cached = hit_tokens - num_external_tokens
+        start = vllm_cached // self.chunk * self.chunk  # round down to a chunk boundary
+        last = -(-hit_tokens // self.chunk)
+        self._pending_load[request.request_id] = LoadSpec(keys[start // self.chunk:last], start, vllm_cached,
+                                                          hit_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVRingMetadata:
+        meta = KVRingMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            keys, hit, _ = self._lookups.pop(new.req_id, ([], 0, 0))
+            tracker = RequestTracker(new.req_id, len(new.prompt_token_ids or []), keys,
+                                     list(new.block_ids[0]), saved_chunks=hit)
+            self._trackers[new.req_id] = tracker
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            self._plan(meta, tracker, self._pending_load.pop(new.req_id, None), done)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted: all blocks were replaced
+                tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+                self._lookups.pop(req_id, None)
+            elif new_blocks is not None:
+                tracker.block_ids.extend(new_blocks[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan(meta, tracker, self._pending_load.pop(req_id, None), done)
+        return meta
+
+    def _plan(self, meta: KVRingMetadata, tracker: RequestTracker, load: LoadSpec | None, done: int) -> None:
+        save = None
+        full = min(done, tracker.prompt_len) // self.chunk  # prompt chunks computed by this step's end
+        full = min(full, len(tracker.keys))
+        if full > tracker.saved_chunks:
+            save = SaveSpec(tracker.keys[tracker.saved_chunks:full], tracker.saved_chunks * self.chunk,
+                            full * self.chunk)
+            tracker.saved_chunks = full
+        if load is None and save is None:
+            return
+        end = max(load.end if load else 0, save.end if save else 0)
+        blocks = np.asarray(tracker.block_ids, dtype=np.int64)
+        t = np.arange(end, dtype=np.int64)
+        slots = blocks[t // self.block_size] * self.block_size + t % self.block_size
+        meta.requests.append(ReqMeta(tracker.req_id, slots, list(tracker.block_ids), load, save))
+
+    def request_finished(self, request) -> None:
+        for table in (self._lookups, self._pending_load, self._trackers):
+            table.pop(request.request_id, None)

@@ -1,0 +1,195 @@
+"""Worker side: layerwise loads into and saves out of vLLM's paged KV cache.
+
+vLLM hands connectors one tensor per attention layer in the standardized ``[B, H, N, C]``
+view (blocks, KV heads, block size, K|V channels); slot ``s`` lives at
+``[s // block_size, :, s % block_size]``.  A kvring chunk of ``chunk_size`` tokens is stored
+layer-major as ``[layers, chunk_size, H, C]``, so one layer of one chunk is a contiguous
+``[chunk_size, H, C]`` slice.
+
+Nothing here raises into vLLM: a load that fails reports the block ids it should have filled
+(``get_block_ids_with_load_errors``) so vLLM recomputes them; a failed save is logged, counted
+and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from kvring.cachenode import ClusterClient
+
+from .config import ConnectorConfig
+from .metadata import KVRingMetadata, ReqMeta
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class _LoadJob:
+    """Fetches every load of one step and scatters it layer by layer; layer events gate compute."""
+
+    def __init__(self, worker: WorkerSide, requests: list[ReqMeta]) -> None:
+        self.worker = worker
+        self.requests = requests
+        self.layer_done = [threading.Event() for _ in worker.layer_names]
+        self.failed_blocks: set[int] = set()
+        # One flat key list over all requests; owner[i] = (request, chunk index in its load).
+        self.keys: list[bytes] = []
+        self.owner: list[tuple[ReqMeta, int]] = []
+        for req in requests:
+            for k, key in enumerate(req.load.keys):
+                self.keys.append(key)
+                self.owner.append((req, k))
+
+    def run(self) -> None:
+        w = self.worker
+        found: list = [None] * len(self.keys)
+        got = np.zeros((len(w.layer_names), len(self.keys)), dtype=bool)
+        try:
+            for batch in w.client.iter_layers(self.keys, found=found):
+                layer = batch.layer
+                for i, view in zip(batch.indices, batch.views):
+                    self._scatter(layer, i, view)
+                    got[layer, i] = True
+                if got[layer].all():
+                    self.layer_done[layer].set()
+        except Exception:
+            logger.exception("kvring load failed; the affected blocks will be recomputed")
+            found = [None] * len(self.keys)
+        for i, meta in enumerate(found):
+            if meta is None or not got[:, i].all():
+                self._fail(i)
+        for event in self.layer_done:
+            event.set()
+
+    def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
+        req, k = self.owner[i]
+        chunk = self.worker.chunk
+        first = req.load.start + k * chunk
+        lo, hi = max(first, req.load.write_from), min(first + chunk, req.load.end)
+        return req, first, lo, hi
+
+    def _scatter(self, layer: int, i: int, view) -> None:
+        w = self.worker
+        req, first, lo, hi = self._tokens(i)
+        if hi <= lo:
+            return
+        # One copy out of the (read-only) socket frame, then a scatter through the slot mapping.
+        raw = torch.from_numpy(np.frombuffer(view, dtype=np.uint8).copy())
+        src = raw.view(w.dtype).view(w.chunk, *w.token_shape)[lo - first:hi - first]
+        slots = torch.from_numpy(req.slot_mapping[lo:hi])
+        w.kv_caches[w.layer_names[layer]][slots // w.block_size, :, slots % w.block_size] = src
+
+    def _fail(self, i: int) -> None:
+        req, _, lo, hi = self._tokens(i)
+        if hi > lo:
+            self.failed_blocks.update((req.slot_mapping[lo:hi] // self.worker.block_size).tolist())
+
+    def wait(self, layer: int) -> None:
+        self.layer_done[layer].wait()
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, client: ClusterClient, chunk_size: int, block_size: int) -> None:
+        self.config = config
+        self.client = client
+        self.chunk = chunk_size
+        self.block_size = block_size
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layer_names: list[str] = []
+        self._layer_index: dict[str, int] = {}
+        self._load: _LoadJob | None = None
+        self._load_thread: threading.Thread | None = None
+        self._failed: set[int] = set()
+        self._saves: dict[str, np.ndarray] = {}
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvring-save")
+        self.saves_failed = 0
+        self.chunks_saved = 0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        self.layer_names = list(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        first = kv_caches[self.layer_names[0]]
+        self.dtype = first.dtype
+        self.dtype_name = _TORCH_DTYPES.get(first.dtype, str(first.dtype).removeprefix("torch."))
+        self.token_shape = tuple(first.shape[1:2]) + tuple(first.shape[3:])  # (H, C)
+        if first.shape[2] != self.block_size:
+            logger.warning("KV cache block dim %d differs from block_size %d", first.shape[2], self.block_size)
+
+    # ---- loads ----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVRingMetadata) -> None:
+        self._load = None
+        loads = [r for r in meta.requests if r.load is not None and r.load.keys]
+        if not loads:
+            return
+        job = _LoadJob(self, loads)
+        self._load = job
+        if self.config.load_mode == "bulk":
+            job.run()
+            self._failed |= job.failed_blocks
+        else:
+            self._load_thread = threading.Thread(target=job.run, name="kvring-load", daemon=True)
+            self._load_thread.start()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        job = self._load
+        if job is None:
+            return
+        job.wait(self._layer_index[layer_name])
+        if self._layer_index[layer_name] == len(self.layer_names) - 1 and self._load_thread is not None:
+            self._load_thread.join()
+            self._failed |= job.failed_blocks
+            self._load_thread = None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._load_thread is not None:  # a step without attention calls: finish the load first
+            self._load_thread.join()
+            self._failed |= self._load.failed_blocks
+            self._load_thread = None
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # ---- saves ----------------------------------------------------------------------------
+
+    def save_kv_layer(self, meta: KVRingMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
+        layer = self._layer_index[layer_name]
+        for req in meta.requests:
+            if req.save is None:
+                continue
+            n = len(req.save.keys)
+            buf = self._saves.get(req.req_id)
+            if buf is None:
+                buf = self._saves[req.req_id] = torch.empty((n, len(self.layer_names), self.chunk, *self.token_shape),
+                                                            dtype=self.dtype)
+            slots = torch.from_numpy(req.slot_mapping[req.save.start:req.save.end])
+            buf[:, layer] = kv_layer[slots // self.block_size, :, slots % self.block_size].view(
+                n, self.chunk, *self.token_shape)
+            if layer == len(self.layer_names) - 1:
+                self._saver.submit(self._put, req.save.keys, self._saves.pop(req.req_id))
+
+    def _put(self, keys: list[bytes], buf: torch.Tensor) -> None:
+        try:
+            raw = buf.view(torch.uint8).numpy() if buf.dtype != torch.uint8 else buf.numpy()
+            items = [(key, raw[i], list(buf.shape[1:]), self.dtype_name, self.chunk) for i, key in enumerate(keys)]
+            stored = self.client.put_many(items)
+            self.chunks_saved += sum(1 for s in stored if s)
+        except Exception as exc:
+            self.saves_failed += len(keys)
+            logger.warning("kvring save of %d chunks failed (dropped): %s", len(keys), exc)
+
+    def wait_for_save(self) -> None:
+        return  # saves run in the background; the forward pass never waits on the network
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for queued saves (shutdown, tests)."""
+        self._saver.submit(lambda: None).result(timeout)
+
+    def shutdown(self) -> None:
+        self._saver.shutdown(wait=True)
