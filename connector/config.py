@@ -50,6 +50,10 @@ class ConnectorConfig:
             raise ValueError(f"timeout must be positive seconds, got {self.timeout} (KVRING_TIMEOUT)")
         if self.lookup_lease_ms < 0:
             raise ValueError(f"lookup_lease_ms must be >= 0, got {self.lookup_lease_ms} (KVRING_LOOKUP_LEASE_MS)")
+        for name in ("save_unfull_chunk", "save_decode_cache"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by this kvring version yet; remove it "
+                                 "(only whole prompt chunks are saved)")
         if self.prefetch_layers < 1:
             raise ValueError(f"prefetch_layers must be >= 1, got {self.prefetch_layers} (KVRING_PREFETCH_LAYERS)")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -104,9 +105,12 @@ def up(
         typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
         for n in cluster_.nodes:
             typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
-        typer.echo("Connector settings (kv_connector_extra_config):")
-        typer.echo(f'  {{"etcd": "{cluster_.etcd}", "cluster": "{cluster}"}}')
-        typer.echo(f"  environment: KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster}")
+        transfer = json.dumps({"kv_connector": "KVRingConnector", "kv_connector_module_path": "kvring.connector",
+                               "kv_role": "kv_both",
+                               "kv_connector_extra_config": {"etcd": cluster_.etcd, "cluster": cluster}})
+        typer.echo("Point vLLM at it:")
+        typer.echo(f"  vllm serve MODEL --kv-transfer-config '{transfer}'")
+        typer.echo(f"  (or KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster} with an empty kv_connector_extra_config)")
         typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
         if demo:
             from kvring.workload import demo_workload

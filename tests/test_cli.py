@@ -44,7 +44,7 @@ def test_up_serves_ring_and_stops_cleanly_on_sigterm():
         text = "".join(lines)
         etcd = re.search(r"etcd (127\.0\.0\.1:\d+)", text).group(1)
         admins = re.findall(r"admin (http://127\.0\.0\.1:\d+)", text)
-        assert len(admins) == 3 and f'"etcd": "{etcd}"' in text
+        assert len(admins) == 3 and f'"etcd": "{etcd}"' in text and '"kv_connector": "KVRingConnector"' in text
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 4  # etcd and three nodes
         with urllib.request.urlopen(admins[0] + "/healthz", timeout=5) as r:
