@@ -56,7 +56,9 @@ class SchedulerSide:
         except KVRingError as exc:
             logger.warning("kvring lookup failed, recomputing: %s", exc)
             hit = 0
-        hit_tokens = min(hit * self.chunk, len(tokens) - 1)  # the last token is always computed
+        # At least the last prompt token is always computed, and vLLM takes external hits in
+        # whole blocks: a full hit loads up to the last block boundary before the last token.
+        hit_tokens = min(hit * self.chunk, (len(tokens) - 1) // self.block_size * self.block_size)
         self._lookups[request.request_id] = (keys, hit, hit_tokens)
         if hit_tokens <= num_computed_tokens:
             return 0, False

@@ -55,7 +55,7 @@ def reference(etcd_server, model, prompts, tmp_path_factory):
     with LocalCluster(nodes=1, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-ref") as cluster:
         conn = {"etcd": cluster.etcd, "cluster": cluster.cluster}
         out = _run(tmp, "ref", {"model": model, "connector": conn, "prompts": [
-            {"tokens": p, "salt": f"ref-{i}"} for i, p in enumerate([p1, p2, p1[:512] + p2[700:]])]})
+            {"tokens": p, "salt": f"ref-{i}"} for i, p in enumerate([p1, p2, p1[:512] + p2[700:], p1[:1024]])]})
     assert all(r["cached"] == 0 for r in out["results"])
     return [r["tokens"] for r in out["results"]]
 
@@ -76,12 +76,15 @@ def test_second_instance_loads_what_the_first_computed(etcd_server, model, promp
             assert len(a["keys"][0]) == 4 and len(a["keys"][1]) == 4 and len(expected) == 6
             assert _stored_keys(client) == expected
         b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
-            {"tokens": p1}, {"tokens": p2}, {"tokens": p1[:512] + p2[700:]}, {"tokens": p1, "salt": "tenant-b"}]})
+            {"tokens": p1}, {"tokens": p2}, {"tokens": p1[:512] + p2[700:]}, {"tokens": p1, "salt": "tenant-b"},
+            {"tokens": p1[:1024]}]})
     outs = [r["tokens"] for r in b["results"]]
     cached = [r["cached"] for r in b["results"]]
-    assert outs[:3] == reference and outs[3] == reference[0]
+    assert outs[:3] == reference[:3] and outs[3] == reference[0] and outs[4] == reference[3]
     assert [r["tokens"] for r in a["results"]] == reference[:2]
-    assert cached == [4 * CHUNK, 4 * CHUNK, 2 * CHUNK, 0]  # every whole chunk; k chunks; other salt: none
+    # Every whole chunk; k chunks; another salt: nothing; a prompt that is all cached (exactly 4
+    # chunks): up to the last block boundary before its last token (CPU backend blocks: 128).
+    assert cached == [4 * CHUNK, 4 * CHUNK, 2 * CHUNK, 0, 1024 - 128]
 
 
 def test_node_killed_between_instances_still_gives_identical_output(etcd_server, model, prompts, reference,
