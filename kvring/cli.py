@@ -131,6 +131,24 @@ def up(
 
 
 @app.command()
+def demo(
+    layers: Annotated[int, typer.Option(help="Layers of the random Llama written for the demo.")] = 6,
+    hidden: Annotated[int, typer.Option(help="Hidden size of that model.")] = 1024,
+    prefix_tokens: Annotated[int, typer.Option(help="Tokens of the shared prefix.")] = 3072,
+    suffix_tokens: Annotated[int, typer.Option(help="Tokens of each prompt's own part.")] = 1024,
+    prompts: Annotated[int, typer.Option(help="Prompts in the workload.", min=1)] = 3,
+    mode: Annotated[str, typer.Option(help="Connector load mode: layerwise or bulk.")] = "layerwise",
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Two vLLM instances share prefixes through a local cluster; B loads what A computed."""
+    from kvring.demo import run_demo
+
+    result = run_demo(layers, hidden, prefix_tokens, suffix_tokens, prompts, mode, plot)
+    if not all(r["identical"] for r in result["rows"]):
+        raise typer.Exit(1)
+
+
+@app.command()
 def ring(
     etcd: EtcdOpt,
     cluster: ClusterOpt = "default",
