@@ -104,18 +104,23 @@ def test_replica_serves_reads_when_a_node_is_killed(cluster_factory):
         assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(keys, got))
 
 
+def _fill_then_add_a_node(cluster, client, seed: int) -> tuple[dict[bytes, np.ndarray], list[bytes]]:
+    """300 chunks on a 2-node ring, then a third node: the data and the keys it now owns."""
+    rng = np.random.default_rng(seed)
+    data = {os.urandom(16): rng.integers(0, 256, size=1024, dtype=np.uint8) for _ in range(300)}
+    assert client.wait_for_nodes(2)
+    client.put_many([(k, v, [2, 512], "uint8", 4) for k, v in data.items()])
+    cluster.add_node()
+    assert client.wait_for_nodes(3)
+    moved = [k for k in data if client.ring.owners(k) == ["node-2"]]
+    assert len(moved) > 30  # about a third moved to the new node
+    return data, moved
+
+
 def test_reads_fall_back_to_the_previous_owner_after_a_ring_change(cluster_factory):
     cluster = cluster_factory(nodes=2, node_args=["--no-handoff"])  # the fallback alone
-    rng = np.random.default_rng(4)
-    data = {os.urandom(16): rng.integers(0, 256, size=1024, dtype=np.uint8) for _ in range(300)}
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
-        assert client.wait_for_nodes(2)
-        client.put_many([(k, v, [2, 512], "uint8", 4) for k, v in data.items()])
-        cluster.add_node()
-        assert client.wait_for_nodes(3)
-        keys = list(data)
-        moved = [k for k in keys if client.ring.owners(k) == ["node-2"]]
-        assert len(moved) > 30  # about a third moved to the new node, which holds none of them
+        data, moved = _fill_then_add_a_node(cluster, client, seed=4)  # node-2 holds none of them
         assert client.lookup(moved) == [True] * len(moved)
         got = client.get(moved)
         assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(moved, got))
@@ -123,15 +128,8 @@ def test_reads_fall_back_to_the_previous_owner_after_a_ring_change(cluster_facto
 
 def test_chunks_are_handed_off_to_their_new_owner(cluster_factory):
     cluster = cluster_factory(nodes=2)
-    rng = np.random.default_rng(8)
-    data = {os.urandom(16): rng.integers(0, 256, size=1024, dtype=np.uint8) for _ in range(300)}
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
-        assert client.wait_for_nodes(2)
-        client.put_many([(k, v, [2, 512], "uint8", 4) for k, v in data.items()])
-        cluster.add_node()
-        assert client.wait_for_nodes(3)
-        moved = [k for k in data if client.ring.owners(k) == ["node-2"]]
-        assert len(moved) > 30
+        data, moved = _fill_then_add_a_node(cluster, client, seed=8)
 
         def settled():
             stats = client.stats()
