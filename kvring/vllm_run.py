@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-                     vocab: int = 2048, seed: int = 0) -> Path:
+                     vocab: int = 2048, seed: int = 0, head_dim: int | None = None) -> Path:
     """A small random-weight Llama, saved locally (no download)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -24,7 +24,8 @@ def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int 
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                         max_position_embeddings=16384, torch_dtype="bfloat16")
+                         max_position_embeddings=16384, torch_dtype="bfloat16",
+                         head_dim=head_dim or hidden // heads)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
@@ -42,7 +43,8 @@ def run(spec: dict) -> dict:
             kv_connector_extra_config=spec["connector"])
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
               enable_prefix_caching=spec.get("prefix_caching", False), max_model_len=spec.get("max_model_len", 8192),
-              max_num_batched_tokens=spec.get("max_model_len", 8192), gpu_memory_utilization=0.5, seed=0, **kw)
+              max_num_batched_tokens=spec.get("max_model_len", 8192), gpu_memory_utilization=0.5, seed=0,
+              disable_log_stats=False, **kw)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
     results = []
     for item in spec["prompts"]:
