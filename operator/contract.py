@@ -1,0 +1,54 @@
+"""What a CacheCluster publishes: the connector settings for vLLM and the node contract.
+
+Both go into the cluster's ConfigMap (``<name>-config``), which a vLLM Deployment can read as an
+environment variable, and the connector settings also into ``status.connector``.  The hash of the
+ConfigMap's data is stamped on the node pods, so a changed contract rolls them and the operator
+can tell which pods run with an old one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from .naming import cluster_key, etcd_endpoints
+from .spec import ClusterSpec
+
+CONFIG_HASH_ANNOTATION = "kvring.io/config-hash"
+TRANSFER_CONFIG_KEY = "kv-transfer-config"
+
+
+def connector_config(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
+    """The exact ``--kv-transfer-config`` object a vLLM deployment needs to use this cluster."""
+    return {
+        "kv_connector": "KVRingConnector",
+        "kv_connector_module_path": "kvring.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "etcd": ",".join(etcd_endpoints(name, namespace, spec)),
+            "cluster": cluster_key(name, namespace),
+            "chunk_size": spec.chunk_size,
+        },
+    }
+
+
+def connector_json(name: str, namespace: str, spec: ClusterSpec) -> str:
+    """``connector_config`` as the one-line JSON vLLM takes (``status.connector``)."""
+    return json.dumps(connector_config(name, namespace, spec), separators=(",", ":"))
+
+
+def config_data(name: str, namespace: str, spec: ClusterSpec) -> dict[str, str]:
+    """The ConfigMap's data: connector settings, etcd, cluster name and hashing contract."""
+    contract = {"chunk_size": spec.chunk_size, "vnodes": spec.vnodes, "replication": spec.replication}
+    return {
+        TRANSFER_CONFIG_KEY: connector_json(name, namespace, spec),
+        "etcd": ",".join(etcd_endpoints(name, namespace, spec)),
+        "cluster": cluster_key(name, namespace),
+        "contract.json": json.dumps(contract, sort_keys=True),
+    }
+
+
+def config_hash(data: dict[str, str]) -> str:
+    """A short, stable digest of ConfigMap data."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

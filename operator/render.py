@@ -1,0 +1,38 @@
+"""Everything a CacheCluster consists of, as plain dicts: the handlers' one entry point.
+
+The functions live in ``render_nodes`` (cache nodes), ``render_etcd`` (managed etcd),
+``naming`` and ``contract``; this module gathers them and gives the apply order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .contract import CONFIG_HASH_ANNOTATION, TRANSFER_CONFIG_KEY, config_data, config_hash, connector_config, \
+    connector_json
+from .naming import cluster_key, etcd_endpoints, labels, node_id, nodes_service, selector, selector_labels
+from .render_etcd import render_etcd
+from .render_nodes import node_resources, pod_memory, render_client_service, render_configmap, \
+    render_headless_service, render_pdb, render_statefulset
+from .spec import ClusterSpec, check_name
+
+__all__ = [
+    "CONFIG_HASH_ANNOTATION", "TRANSFER_CONFIG_KEY", "cluster_key", "config_data", "config_hash",
+    "connector_config", "connector_json", "etcd_endpoints", "labels", "node_id", "node_resources",
+    "nodes_service", "pod_memory", "render_children", "render_client_service", "render_configmap",
+    "render_etcd", "render_headless_service", "render_pdb", "render_statefulset", "selector",
+    "selector_labels",
+]
+
+
+def render_children(name: str, namespace: str, spec: ClusterSpec, replicas: int | None = None) -> list[dict[str, Any]]:
+    """All child objects in apply order: config and etcd first, the nodes that need them last."""
+    check_name(name)
+    return [
+        render_configmap(name, namespace, spec),
+        *render_etcd(name, namespace, spec),
+        render_headless_service(name, namespace, spec),
+        render_client_service(name, namespace, spec),
+        render_pdb(name, namespace, spec),
+        render_statefulset(name, namespace, spec, replicas),
+    ]

@@ -1,0 +1,207 @@
+"""The objects that run a CacheCluster's cache nodes: StatefulSet, Services, ConfigMap, PDB.
+
+Pure functions from a validated ``ClusterSpec`` to plain dicts (no owner references; the
+handlers add those).  Memory rule: the node's cache budget is ``memoryPerNode`` (``--memory``,
+bytes of chunk payload); the pod's memory request and limit are both
+``budget x 1.25 + 256Mi`` (rounded up to a MiB).  256Mi covers the process itself (measured at
+~70 MiB: interpreter, libzmq, NumPy, the admin server); the 25% covers bytes in flight that
+the store does not count yet (frames being received, handoff buffers) and allocator slack.
+Request = limit keeps the pods in the Guaranteed class for memory, so a busy neighbour cannot
+get them evicted.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from .contract import CONFIG_HASH_ANNOTATION, config_data, config_hash
+from .naming import cluster_key, config_map, etcd_endpoints, labels, node_host, nodes_service, selector_labels
+from .spec import ClusterSpec
+
+MiB = 1 << 20
+MEMORY_HEADROOM = 1.25
+MEMORY_OVERHEAD = 256 * MiB
+DEFAULT_CPU_REQUEST = "500m"
+GRACE_MARGIN_SECONDS = 30  # after the drain: the process's own shutdown and leaving etcd
+RUN_AS = 10001  # the image's kvring user
+ENTRY = ["python", "-P", "-m", "kvring.cli"]  # -P: no cwd on sys.path (see the Dockerfile)
+
+
+def pod_memory(budget: int) -> str:
+    """Memory request and limit of a node pod for a cache budget in bytes."""
+    return f"{math.ceil(budget * MEMORY_HEADROOM / MiB) + MEMORY_OVERHEAD // MiB}Mi"
+
+
+def node_resources(spec: ClusterSpec) -> dict[str, dict[str, Any]]:
+    """The node container's resources: derived memory, plus the spec's extras (cpu, ...)."""
+    requests = dict(spec.resources.get("requests", {}))
+    limits = dict(spec.resources.get("limits", {}))
+    if "cpu" not in requests and "cpu" not in limits:
+        requests["cpu"] = DEFAULT_CPU_REQUEST
+    requests["memory"] = limits["memory"] = pod_memory(spec.memory_per_node)
+    return {"requests": requests, "limits": limits}
+
+
+def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
+    """``kvring node`` arguments; ``$(POD_NAME)`` is expanded by the kubelet from the env."""
+    return [
+        "node",
+        "--node-id", "$(POD_NAME)",
+        "--etcd", ",".join(etcd_endpoints(name, namespace, spec)),
+        "--cluster", cluster_key(name, namespace),
+        "--memory", str(spec.memory_per_node),
+        "--host", "0.0.0.0",
+        "--advertise-host", node_host(name, namespace, "$(POD_NAME)"),
+        "--data-port", str(spec.data_port),
+        "--admin-port", str(spec.admin_port),
+        "--chunk-size", str(spec.chunk_size),
+        "--vnodes", str(spec.vnodes),
+        "--replication", str(spec.replication),
+        "--lease-ttl", str(spec.lease_ttl),
+        "--policy", spec.policy,
+    ]
+
+
+def _env(spec: ClusterSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    if spec.auth_secret:
+        env.append({"name": "KVRING_ADMIN_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": spec.auth_secret, "key": "token"}}})
+    return env
+
+
+def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
+    def probe(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": "admin"}, "periodSeconds": period,
+                "timeoutSeconds": 3, "failureThreshold": failures}
+
+    drain = [*ENTRY, "drain", "--admin", f"http://127.0.0.1:{spec.admin_port}",
+             "--wait", str(spec.drain_timeout_seconds)]
+    return {
+        "name": "cachenode",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(ENTRY),
+        "args": node_args(name, namespace, spec),
+        "env": _env(spec),
+        "ports": [{"name": "data", "containerPort": spec.data_port, "protocol": "TCP"},
+                  {"name": "admin", "containerPort": spec.admin_port, "protocol": "TCP"}],
+        # Ready = registered in etcd and not draining; alive = the process answers.
+        "startupProbe": probe("/healthz", 2, 60),
+        "readinessProbe": probe("/readyz", 5, 2),
+        "livenessProbe": probe("/healthz", 10, 3),
+        "lifecycle": {"preStop": {"exec": {"command": drain}}},
+        "resources": node_resources(spec),
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def _scheduling(name: str, spec: ClusterSpec) -> dict[str, Any]:
+    """nodeSelector, tolerations, affinity and spread; copies, so renders never share state."""
+    out: dict[str, Any] = {}
+    if spec.node_selector:
+        out["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        out["tolerations"] = copy.deepcopy(list(spec.tolerations))
+    if spec.affinity is not None:
+        out["affinity"] = copy.deepcopy(spec.affinity)
+    else:
+        # Replicas of a chunk are worth little on one machine: prefer one node pod per host.
+        out["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": selector_labels(name)}}}]}}
+    if spec.topology_spread:
+        spread = copy.deepcopy(list(spec.topology_spread))
+        for c in spread:
+            c.setdefault("labelSelector", {"matchLabels": selector_labels(name)})
+        out["topologySpreadConstraints"] = spread
+    return out
+
+
+def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: int | None = None) -> dict[str, Any]:
+    """The node StatefulSet; ``replicas`` overrides ``spec.replicas`` (kept higher while draining)."""
+    pod_labels = labels(name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            "replicas": spec.replicas if replicas is None else replicas,
+            "serviceName": nodes_service(name),
+            # Nodes find each other through etcd, not through ordinal order: start them together.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(name)},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash(config_data(name, namespace, spec))},
+                },
+                "spec": {
+                    "terminationGracePeriodSeconds": spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+                                        "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [_container(name, namespace, spec)],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                    **_scheduling(name, spec),
+                },
+            },
+        },
+    }
+
+
+def _ports(spec: ClusterSpec) -> list[dict[str, Any]]:
+    return [{"name": "data", "port": spec.data_port, "targetPort": "data", "protocol": "TCP"},
+            {"name": "admin", "port": spec.admin_port, "targetPort": "admin", "protocol": "TCP"}]
+
+
+def render_headless_service(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
+    """``<name>-nodes``: a DNS name per node pod, published before the pod is ready (nodes
+    advertise that name in etcd while they are still joining)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": nodes_service(name), "namespace": namespace, "labels": labels(name)},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": selector_labels(name), "ports": _ports(spec)},
+    }
+
+
+def render_client_service(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
+    """``<name>``: one address for the nodes' admin HTTP (/metrics, /stats) and data ports."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {"type": "ClusterIP", "selector": selector_labels(name), "ports": _ports(spec)},
+    }
+
+
+def render_configmap(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
+    """``<name>-config``: connector settings (key ``kv-transfer-config``) and the contract."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": config_map(name), "namespace": namespace, "labels": labels(name)},
+        "data": config_data(name, namespace, spec),
+    }
+
+
+def render_pdb(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
+    """At most one node pod down through voluntary disruptions (each one drains first)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
