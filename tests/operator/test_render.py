@@ -1,0 +1,361 @@
+"""Render functions on plain data: each spec field that changes an object, and what every object
+must hold (names, labels, probes, security, the node and etcd command lines).
+
+Rendered objects are validated against the Kubernetes 1.35 schemas (``kubernetes-validate``,
+strict: unknown fields fail), and the node command line is parsed by the real ``kvring`` CLI.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import kubernetes_validate
+import pytest
+import typer
+from crd_schema import load_examples
+
+from kvring.cli import app
+from kvring.connector.config import ConnectorConfig
+from kvring.operator.render import (
+    CONFIG_HASH_ANNOTATION,
+    cluster_key,
+    connector_config,
+    connector_json,
+    etcd_endpoints,
+    node_id,
+    pod_memory,
+    render_children,
+    render_etcd,
+    render_statefulset,
+    selector,
+)
+from kvring.operator.spec import ClusterSpec, SpecError
+
+K8S_VERSION = "1.35.0"
+BASE = {"memoryPerNode": "1Gi"}
+SELECTOR = {"app.kubernetes.io/name": "kvring", "app.kubernetes.io/instance": "kv",
+            "app.kubernetes.io/component": "cachenode"}
+
+
+def spec_of(**patch) -> ClusterSpec:
+    return ClusterSpec.from_dict({**BASE, **patch})
+
+
+def children(spec: ClusterSpec, name: str = "kv", namespace: str = "ns") -> dict[tuple[str, str], dict]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in render_children(name, namespace, spec)}
+
+
+def sts(c):
+    return c[("StatefulSet", "kv")]
+
+
+def pod(c):
+    return sts(c)["spec"]["template"]["spec"]
+
+
+def ctr(c):
+    return pod(c)["containers"][0]
+
+
+def arg(c, flag):
+    args = ctr(c)["args"]
+    return args[args.index(flag) + 1]
+
+
+def port(obj, name):
+    ports = obj["spec"]["ports"] if "spec" in obj else obj["ports"]
+    return next(p.get("containerPort", p.get("port")) for p in ports if p["name"] == name)
+
+
+def etcd_sts(c):
+    return c.get(("StatefulSet", "kv-etcd"))
+
+
+# (spec patch, what it changes, the value expected after the change).  The same getter on the
+# default spec must give something else, so each row shows the field reaching the object.
+FIELDS = [
+    pytest.param({"replicas": 5}, lambda c: sts(c)["spec"]["replicas"], 5, id="replicas"),
+    pytest.param({"image": "registry.example.com/kvring:9"}, lambda c: ctr(c)["image"],
+                 "registry.example.com/kvring:9", id="image"),
+    pytest.param({"imagePullPolicy": "Always"}, lambda c: ctr(c)["imagePullPolicy"], "Always", id="imagePullPolicy"),
+    pytest.param({"memoryPerNode": "8Gi"}, lambda c: (arg(c, "--memory"), ctr(c)["resources"]["limits"]["memory"],
+                                                     ctr(c)["resources"]["requests"]["memory"]),
+                 (str(8 << 30), "10496Mi", "10496Mi"), id="memoryPerNode"),
+    pytest.param({"resources": {"limits": {"cpu": "4"}, "requests": {"ephemeral-storage": "2Gi"}}},
+                 lambda c: ctr(c)["resources"],
+                 {"requests": {"ephemeral-storage": "2Gi", "memory": "1536Mi"}, "limits": {"cpu": "4", "memory": "1536Mi"}},
+                 id="resources"),
+    pytest.param({"chunkSize": 512}, lambda c: (arg(c, "--chunk-size"),
+                                                json.loads(c[("ConfigMap", "kv-config")]["data"]["contract.json"])["chunk_size"],
+                                                json.loads(c[("ConfigMap", "kv-config")]["data"]["kv-transfer-config"])
+                                                ["kv_connector_extra_config"]["chunk_size"]),
+                 ("512", 512, 512), id="chunkSize"),
+    pytest.param({"virtualNodes": 64}, lambda c: arg(c, "--vnodes"), "64", id="virtualNodes"),
+    pytest.param({"replication": 2}, lambda c: (arg(c, "--replication"),
+                                                json.loads(c[("ConfigMap", "kv-config")]["data"]["contract.json"])["replication"]),
+                 ("2", 2), id="replication"),
+    pytest.param({"evictionPolicy": "fifo"}, lambda c: arg(c, "--policy"), "fifo", id="evictionPolicy"),
+    pytest.param({"leaseTtlSeconds": 30}, lambda c: arg(c, "--lease-ttl"), "30", id="leaseTtlSeconds"),
+    pytest.param({"drainTimeoutSeconds": 300},
+                 lambda c: (pod(c)["terminationGracePeriodSeconds"], ctr(c)["lifecycle"]["preStop"]["exec"]["command"][-2:]),
+                 (330, ["--wait", "300"]), id="drainTimeoutSeconds"),
+    pytest.param({"etcd": {"endpoints": ["etcd-a.infra:2379", "http://etcd-b.infra:2379"]}},
+                 lambda c: (arg(c, "--etcd"), etcd_sts(c), c[("ConfigMap", "kv-config")]["data"]["etcd"]),
+                 ("etcd-a.infra:2379,etcd-b.infra:2379", None, "etcd-a.infra:2379,etcd-b.infra:2379"),
+                 id="etcd.endpoints"),
+    pytest.param({"etcd": {"managed": {"members": 3}}},
+                 lambda c: (etcd_sts(c)["spec"]["replicas"], ("PodDisruptionBudget", "kv-etcd") in c),
+                 (3, True), id="etcd.managed.members"),
+    pytest.param({"etcd": {"managed": {"storage": "5Gi"}}},
+                 lambda c: etcd_sts(c)["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"],
+                 "5Gi", id="etcd.managed.storage"),
+    pytest.param({"etcd": {"managed": {"storageClassName": "fast-ssd"}}},
+                 lambda c: etcd_sts(c)["spec"]["volumeClaimTemplates"][0]["spec"].get("storageClassName"),
+                 "fast-ssd", id="etcd.managed.storageClassName"),
+    pytest.param({"etcd": {"managed": {"image": "registry.k8s.io/etcd:3.5.21-0"}}},
+                 lambda c: etcd_sts(c)["spec"]["template"]["spec"]["containers"][0]["image"],
+                 "registry.k8s.io/etcd:3.5.21-0", id="etcd.managed.image"),
+    pytest.param({"authSecret": "kv-admin"},
+                 lambda c: next((e["valueFrom"] for e in ctr(c)["env"] if e["name"] == "KVRING_ADMIN_TOKEN"), None),
+                 {"secretKeyRef": {"name": "kv-admin", "key": "token"}}, id="authSecret"),
+    pytest.param({"ports": {"data": 6000}},
+                 lambda c: (arg(c, "--data-port"), port(ctr(c), "data"), port(c[("Service", "kv-nodes")], "data"),
+                            port(c[("Service", "kv")], "data")),
+                 ("6000", 6000, 6000, 6000), id="ports.data"),
+    pytest.param({"ports": {"admin": 9000}},
+                 lambda c: (arg(c, "--admin-port"), port(ctr(c), "admin"), port(c[("Service", "kv")], "admin"),
+                            ctr(c)["lifecycle"]["preStop"]["exec"]["command"][-3]),
+                 ("9000", 9000, 9000, "http://127.0.0.1:9000"), id="ports.admin"),
+    pytest.param({"nodeSelector": {"pool": "cache"}}, lambda c: pod(c).get("nodeSelector"), {"pool": "cache"},
+                 id="nodeSelector"),
+    pytest.param({"tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]},
+                 lambda c: pod(c).get("tolerations"), [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+                 id="tolerations"),
+    pytest.param({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cache"]}]}]}}}},
+                 lambda c: pod(c)["affinity"],
+                 {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                     "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cache"]}]}]}}},
+                 id="affinity"),
+    pytest.param({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                                 "whenUnsatisfiable": "DoNotSchedule"}]},
+                 lambda c: pod(c).get("topologySpreadConstraints"),
+                 [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule",
+                   "labelSelector": {"matchLabels": SELECTOR}}],
+                 id="topologySpreadConstraints"),
+]
+
+
+@pytest.mark.parametrize(("patch", "get", "expected"), FIELDS)
+def test_each_field_changes_its_object(patch, get, expected):
+    assert get(children(ClusterSpec.from_dict(BASE))) != expected
+    changed = children(ClusterSpec.from_dict({**BASE, **patch}))
+    assert get(changed) == expected
+    for obj in changed.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_every_spec_field_has_a_render_row():
+    from kvring.operator.spec import _SPEC_KEYS
+
+    covered = {p.id.split(".")[0] for p in FIELDS}
+    assert covered == set(_SPEC_KEYS)
+
+
+def test_children_in_apply_order():
+    managed = [(o["kind"], o["metadata"]["name"]) for o in render_children("kv", "ns", spec_of())]
+    assert managed == [("ConfigMap", "kv-config"), ("Service", "kv-etcd-peer"), ("Service", "kv-etcd"),
+                       ("StatefulSet", "kv-etcd"), ("Service", "kv-nodes"), ("Service", "kv"),
+                       ("PodDisruptionBudget", "kv"), ("StatefulSet", "kv")]
+    external = render_children("kv", "ns", spec_of(etcd={"endpoints": ["e:2379"]}))
+    assert [o["metadata"]["name"] for o in external] == ["kv-config", "kv-nodes", "kv", "kv", "kv"]
+    for obj in managed and render_children("kv", "ns", spec_of()):
+        assert obj["metadata"]["namespace"] == "ns"
+        assert "ownerReferences" not in obj["metadata"]  # the handlers adopt them
+
+
+@pytest.mark.parametrize("example", sorted(load_examples()))
+def test_examples_render_to_valid_objects(example):
+    cr = load_examples()[example]
+    namespace = cr["metadata"].get("namespace", "default")
+    objects = render_children(cr["metadata"]["name"], namespace, ClusterSpec.from_dict(cr["spec"]))
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_strict_validation_catches_unknown_fields():
+    """Guard for the checks above: strict mode really refuses a misspelt field."""
+    obj = copy.deepcopy(render_statefulset("kv", "ns", spec_of()))
+    obj["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_statefulset_runs_stable_secure_nodes():
+    c = children(spec_of(drainTimeoutSeconds=60))
+    s = sts(c)
+    labels = {**SELECTOR, "app.kubernetes.io/managed-by": "kvring-operator"}
+    assert s["metadata"]["labels"] == labels
+    assert s["spec"]["selector"] == {"matchLabels": SELECTOR}
+    assert s["spec"]["template"]["metadata"]["labels"] == labels
+    assert s["spec"]["serviceName"] == "kv-nodes"
+    assert s["spec"]["podManagementPolicy"] == "Parallel"
+    p, container = pod(c), ctr(c)
+    # Node id = pod name = <name>-<ordinal>, advertised under its stable DNS name.
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    assert arg(c, "--node-id") == "$(POD_NAME)"
+    assert arg(c, "--advertise-host") == "$(POD_NAME).kv-nodes.ns.svc"
+    assert arg(c, "--cluster") == "ns.kv" == cluster_key("kv", "ns")
+    assert arg(c, "--host") == "0.0.0.0"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "python", "-P", "-m", "kvring.cli", "drain", "--admin", "http://127.0.0.1:8080", "--wait", "60"]
+    assert p["terminationGracePeriodSeconds"] >= 60 + 30
+    assert p["securityContext"]["runAsNonRoot"] is True
+    assert p["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in p["volumes"]
+    assert p["automountServiceAccountToken"] is False
+    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "1536Mi"}, "limits": {"memory": "1536Mi"}}
+    # Without an affinity of its own, the nodes prefer distinct hosts.
+    term = p["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term == {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": SELECTOR}}
+
+
+def test_node_command_line_parses_with_the_real_cli():
+    """Every flag the StatefulSet passes exists in ``kvring node`` and has a value it accepts."""
+    c = children(spec_of(memoryPerNode="2Gi", chunkSize=128, replication=2, evictionPolicy="fifo"))
+    container = ctr(c)
+    assert container["command"] == ["python", "-P", "-m", "kvring.cli"]
+    args = [a.replace("$(POD_NAME)", "kv-0") for a in container["args"]]
+    command = typer.main.get_command(app)
+    ctx = command.make_context("kvring", list(args), resilient_parsing=False)
+    sub = command.get_command(ctx, args[0])
+    params = sub.make_context(args[0], args[1:], parent=ctx).params
+    assert params["node_id"] == "kv-0" == node_id("kv", 0)
+    assert params["etcd"] == "kv-etcd.ns.svc:2379"
+    assert (params["memory"], params["chunk_size"], params["replication"], params["policy"]) == (str(2 << 30), 128, 2, "fifo")
+    assert (params["data_port"], params["admin_port"], params["lease_ttl"]) == (5555, 8080, 10)
+    assert params["advertise_host"] == "kv-0.kv-nodes.ns.svc"
+
+
+def test_prestop_drain_parses_with_the_real_cli():
+    command = typer.main.get_command(app)
+    ctx = command.make_context("kvring", ["drain"], resilient_parsing=True)
+    drain = command.get_command(ctx, "drain")
+    if drain is None:
+        pytest.skip("`kvring drain` (the node drain command) is not in this checkout yet")
+    argv = ctr(children(spec_of()))["lifecycle"]["preStop"]["exec"]["command"][4:]
+    drain.make_context("drain", argv[1:], parent=ctx)
+
+
+def test_replicas_override_keeps_leaving_nodes():
+    assert render_statefulset("kv", "ns", spec_of(replicas=2), replicas=4)["spec"]["replicas"] == 4
+    assert render_statefulset("kv", "ns", spec_of(replicas=2))["spec"]["replicas"] == 2
+    assert [o["spec"]["replicas"] for o in render_children("kv", "ns", spec_of(replicas=2), replicas=4)
+            if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "kv"] == [4]
+
+
+def test_services_and_pdb():
+    c = children(spec_of())
+    headless, client, pdb = c[("Service", "kv-nodes")], c[("Service", "kv")], c[("PodDisruptionBudget", "kv")]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"] == client["spec"]["selector"] == SELECTOR
+    assert [p["name"] for p in client["spec"]["ports"]] == ["data", "admin"]
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": SELECTOR}}
+    assert selector("kv") == ("app.kubernetes.io/name=kvring,app.kubernetes.io/instance=kv,"
+                              "app.kubernetes.io/component=cachenode")
+
+
+def test_connector_config_is_what_the_connector_accepts():
+    spec = spec_of(chunkSize=512)
+    cfg = connector_config("kv", "ns", spec)
+    assert cfg == {"kv_connector": "KVRingConnector", "kv_connector_module_path": "kvring.connector",
+                   "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"etcd": "kv-etcd.ns.svc:2379", "cluster": "ns.kv", "chunk_size": 512}}
+    assert json.loads(connector_json("kv", "ns", spec)) == cfg
+    connector = ConnectorConfig.from_sources(cfg["kv_connector_extra_config"], environ={})
+    assert (connector.etcd, connector.cluster, connector.chunk_size) == ("kv-etcd.ns.svc:2379", "ns.kv", 512)
+    configmap = children(spec)[("ConfigMap", "kv-config")]
+    assert configmap["data"]["kv-transfer-config"] == connector_json("kv", "ns", spec)
+    assert configmap["data"]["cluster"] == "ns.kv"
+
+
+def test_etcd_endpoints():
+    assert etcd_endpoints("kv", "ns", spec_of()) == ["kv-etcd.ns.svc:2379"]
+    assert etcd_endpoints("kv", "ns", spec_of(etcd={"endpoints": ["http://a:1", "b:2"]})) == ["a:1", "b:2"]
+
+
+def test_config_hash_rolls_nodes_when_the_contract_changes():
+    def stamp(**patch):
+        return sts(children(spec_of(**patch)))["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+
+    base = stamp()
+    assert len(base) == 16 and base == stamp()
+    assert stamp(replicas=7) == base  # scaling is not a config change
+    assert len({base, stamp(chunkSize=128), stamp(virtualNodes=8), stamp(replication=2),
+                stamp(etcd={"endpoints": ["e:2379"]})}) == 5
+
+
+@pytest.mark.parametrize(("budget", "pod"), [
+    (64 << 20, "336Mi"), (1 << 30, "1536Mi"), (4 << 30, "5376Mi"), (10**9, "1449Mi"),
+])
+def test_memory_rule(budget, pod):
+    """Pod memory = budget x 1.25 + 256Mi, rounded up to a MiB."""
+    assert pod_memory(budget) == pod
+
+
+def test_managed_etcd_is_a_real_three_member_cluster():
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in render_etcd("kv", "ns", spec_of(etcd={"managed": {"members": 3}}))}
+    s = objs[("StatefulSet", "kv-etcd")]
+    peer = objs[("Service", "kv-etcd-peer")]
+    assert s["spec"]["serviceName"] == "kv-etcd-peer"
+    assert peer["spec"]["clusterIP"] == "None" and peer["spec"]["publishNotReadyAddresses"] is True
+    assert s["spec"]["podManagementPolicy"] == "Parallel"
+    args = dict(a.removeprefix("--").split("=", 1) for a in s["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args["initial-cluster"] == ",".join(
+        f"kv-etcd-{i}=http://kv-etcd-{i}.kv-etcd-peer.ns.svc:2380" for i in range(3))
+    assert args["name"] == "$(POD_NAME)"
+    assert args["initial-advertise-peer-urls"] == "http://$(POD_NAME).kv-etcd-peer.ns.svc:2380"
+    assert args["initial-cluster-state"] == "new"
+    assert args["data-dir"].startswith("/var/lib/etcd/")
+    claim = s["spec"]["volumeClaimTemplates"][0]
+    assert claim["metadata"]["name"] == "data" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    client = objs[("Service", "kv-etcd")]
+    assert [p["port"] for p in client["spec"]["ports"]] == [2379]
+    assert s["spec"]["selector"]["matchLabels"] == client["spec"]["selector"] == peer["spec"]["selector"]
+    assert s["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "etcd"
+    assert objs[("PodDisruptionBudget", "kv-etcd")]["spec"]["maxUnavailable"] == 1
+
+
+def test_single_member_etcd_has_no_pdb():
+    kinds = [o["kind"] for o in render_etcd("kv", "ns", spec_of())]
+    assert kinds == ["Service", "Service", "StatefulSet"]
+
+
+def test_external_etcd_renders_nothing():
+    assert render_etcd("kv", "ns", spec_of(etcd={"endpoints": ["etcd.infra:2379"]})) == []
+
+
+def test_renders_are_pure():
+    spec = spec_of(tolerations=[{"key": "a", "operator": "Exists"}],
+                   topologySpreadConstraints=[{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}])
+    first = render_children("kv", "ns", spec)
+    pod_spec = first[-1]["spec"]["template"]["spec"]
+    pod_spec["tolerations"][0]["key"] = "changed"
+    pod_spec["topologySpreadConstraints"][0]["maxSkew"] = 9
+    assert spec.tolerations[0]["key"] == "a"
+    assert "labelSelector" not in spec.topology_spread[0]
+    assert render_children("kv", "ns", spec) != first
+    assert render_children("kv", "ns", spec) == render_children("kv", "ns", spec)
+
+
+def test_bad_name_is_a_spec_error():
+    with pytest.raises(SpecError, match="metadata.name 'Kv_Cache'"):
+        render_children("Kv_Cache", "ns", spec_of())
