@@ -26,18 +26,21 @@ class ConnectorConfig:
     cluster: str = "default"
     # layerwise: load layer l+1.. while layer l computes; bulk: load all layers before the forward.
     load_mode: str = "layerwise"
-    # Also save a prompt's last, partial chunk (LMCache's save_unfull_chunk).
+    # Also save a prompt's last, partial chunk (LMCache's save_unfull_chunk).  It is keyed by its
+    # exact tokens, so it only hits for a prompt that ends where the stored one ended (a repeat).
     save_unfull_chunk: bool = False
-    # Also save KV produced while decoding.
+    # Also save the whole chunks that decoding fills (prompt + generated tokens), so a follow-up
+    # turn that carries the answer in its prompt loads it too.
     save_decode_cache: bool = False
     # Seconds to wait for a node before its chunks count as failed (then recomputed).
     timeout: float = 5.0
     # How long a lookup protects the chunks it found from eviction, in milliseconds.
     lookup_lease_ms: int = 30_000
-    # Layers requested ahead of the one being computed in layerwise mode.
-    prefetch_layers: int = 4
     # Tokens per chunk; must equal the cluster's (None: take the cluster's).
     chunk_size: int | None = None
+    # Append one JSON line per load (chunks, bytes, seconds) to this file ("": off);
+    # `kvring bench e2e` reads it for the achieved load bandwidth.
+    stats_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -50,12 +53,6 @@ class ConnectorConfig:
             raise ValueError(f"timeout must be positive seconds, got {self.timeout} (KVRING_TIMEOUT)")
         if self.lookup_lease_ms < 0:
             raise ValueError(f"lookup_lease_ms must be >= 0, got {self.lookup_lease_ms} (KVRING_LOOKUP_LEASE_MS)")
-        for name in ("save_unfull_chunk", "save_decode_cache"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this kvring version yet; remove it "
-                                 "(only whole prompt chunks are saved)")
-        if self.prefetch_layers < 1:
-            raise ValueError(f"prefetch_layers must be >= 1, got {self.prefetch_layers} (KVRING_PREFETCH_LAYERS)")
 
     @classmethod
     def from_sources(cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> ConnectorConfig:

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from kvring.cachenode import ClusterClient, ContractMismatch, KVRingError
+from kvring.cachenode import ClusterClient, ContractMismatch
 from kvring.cachenode.hashing import FORMAT_VERSION, HASH_ALGORITHM
 
 from .config import ConnectorConfig

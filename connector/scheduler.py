@@ -22,9 +22,11 @@ class RequestTracker:
 
     req_id: str
     prompt_len: int
-    keys: list[bytes]  # keys of the prompt's whole chunks
+    keys: list[bytes]  # keys of the prompt's whole chunks (then decode chunks), maybe a partial last
     block_ids: list[int]
-    saved_chunks: int  # chunks known to be in the cluster (hit or saved)
+    saved_chunks: int  # whole chunks known to be in the cluster (hit or saved)
+    request: object = None  # vLLM's Request (its all_token_ids grow while decoding)
+    tail_done: bool = False  # the prompt's partial last chunk was hit, saved or is not wanted
 
 
 def _mm_spans(request) -> list[MMSpan]:
@@ -47,18 +49,23 @@ class SchedulerSide:
         self._lookups: dict[str, tuple[list[bytes], int, int]] = {}  # req -> (keys, hit chunks, hit tokens)
         self._pending_load: dict[str, LoadSpec] = {}
         self._trackers: dict[str, RequestTracker] = {}
+        self._requests: dict[str, object] = {}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = list(request.prompt_token_ids or [])
-        keys = request_keys(self.layout, tokens, getattr(request, "cache_salt", None), _mm_spans(request))
+        self._requests[request.request_id] = request
+        keys = request_keys(self.layout, tokens, getattr(request, "cache_salt", None), _mm_spans(request),
+                            full_chunks_only=not self.config.save_unfull_chunk)
         try:
             hit = self.client.lookup_prefix(keys, lease_ms=self.config.lookup_lease_ms) if keys else 0
         except KVRingError as exc:
             logger.warning("kvring lookup failed, recomputing: %s", exc)
             hit = 0
+        # A partial last chunk (save_unfull_chunk) covers only the prompt's remaining tokens.
+        hit_tokens = min(hit * self.chunk, len(tokens))
         # At least the last prompt token is always computed, and vLLM takes external hits in
         # whole blocks: a full hit loads up to the last block boundary before the last token.
-        hit_tokens = min(hit * self.chunk, (len(tokens) - 1) // self.block_size * self.block_size)
+        hit_tokens = min(hit_tokens, (len(tokens) - 1) // self.block_size * self.block_size)
         self._lookups[request.request_id] = (keys, hit, hit_tokens)
         if hit_tokens <= num_computed_tokens:
             return 0, False
@@ -78,8 +85,11 @@ class SchedulerSide:
         meta = KVRingMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             keys, hit, _ = self._lookups.pop(new.req_id, ([], 0, 0))
-            tracker = RequestTracker(new.req_id, len(new.prompt_token_ids or []), keys,
-                                     list(new.block_ids[0]), saved_chunks=hit)
+            prompt_len = len(new.prompt_token_ids or [])
+            whole = prompt_len // self.chunk
+            tracker = RequestTracker(new.req_id, prompt_len, keys, list(new.block_ids[0]),
+                                     saved_chunks=min(hit, whole), request=self._requests.get(new.req_id),
+                                     tail_done=hit > whole or len(keys) == whole)
             self._trackers[new.req_id] = tracker
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._plan(meta, tracker, self._pending_load.pop(new.req_id, None), done)
@@ -99,13 +109,7 @@ class SchedulerSide:
         return meta
 
     def _plan(self, meta: KVRingMetadata, tracker: RequestTracker, load: LoadSpec | None, done: int) -> None:
-        save = None
-        full = min(done, tracker.prompt_len) // self.chunk  # prompt chunks computed by this step's end
-        full = min(full, len(tracker.keys))
-        if full > tracker.saved_chunks:
-            save = SaveSpec(tracker.keys[tracker.saved_chunks:full], tracker.saved_chunks * self.chunk,
-                            full * self.chunk)
-            tracker.saved_chunks = full
+        save = self._save_spec(tracker, done)
         if load is None and save is None:
             return
         end = max(load.end if load else 0, save.end if save else 0)
@@ -114,6 +118,30 @@ class SchedulerSide:
         slots = blocks[t // self.block_size] * self.block_size + t % self.block_size
         meta.requests.append(ReqMeta(tracker.req_id, slots, list(tracker.block_ids), load, save))
 
+    def _save_spec(self, tracker: RequestTracker, done: int) -> SaveSpec | None:
+        """The chunks whose KV is complete at the end of this step and not yet in the cluster."""
+        c = self.chunk
+        if self.config.save_decode_cache and tracker.request is not None:
+            tokens = tracker.request.all_token_ids
+            full = min(done, len(tokens)) // c
+            if full * c > tracker.prompt_len and full > tracker.saved_chunks:
+                # Decode filled a chunk: extend the chain over prompt + generated tokens (the
+                # prompt's keys are a prefix of it, so only the new chunks' keys are new).
+                tracker.keys = request_keys(self.layout, list(tokens[:full * c]),
+                                            getattr(tracker.request, "cache_salt", None),
+                                            _mm_spans(tracker.request))
+        else:
+            full = min(done, tracker.prompt_len) // c  # prompt chunks computed by this step's end
+        full = min(full, len(tracker.keys))
+        start, end, keys = tracker.saved_chunks * c, full * c, tracker.keys[tracker.saved_chunks:full]
+        if (not tracker.tail_done and done >= tracker.prompt_len and full == tracker.prompt_len // c
+                and len(tracker.keys) > full):
+            # save_unfull_chunk: the prompt's partial last chunk, keyed over its exact tokens.
+            keys, end = keys + [tracker.keys[full]], tracker.prompt_len
+            tracker.tail_done = True
+        tracker.saved_chunks = max(tracker.saved_chunks, full)
+        return SaveSpec(keys, start, end) if keys else None
+
     def request_finished(self, request) -> None:
-        for table in (self._lookups, self._pending_load, self._trackers):
+        for table in (self._lookups, self._pending_load, self._trackers, self._requests):
             table.pop(request.request_id, None)

@@ -13,8 +13,10 @@ and dropped.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -38,6 +40,10 @@ class _LoadJob:
         self.requests = requests
         self.layer_done = [threading.Event() for _ in worker.layer_names]
         self.failed_blocks: set[int] = set()
+        self.started = time.perf_counter()
+        self.first_layer_s: float | None = None  # until layer 0 of every chunk was in the cache
+        self.seconds = 0.0  # until the last layer was
+        self.nbytes = 0
         # One flat key list over all requests; owner[i] = (request, chunk index in its load).
         self.keys: list[bytes] = []
         self.owner: list[tuple[ReqMeta, int]] = []
@@ -54,9 +60,15 @@ class _LoadJob:
             for batch in w.client.iter_layers(self.keys, found=found):
                 layer = batch.layer
                 for i, view in zip(batch.indices, batch.views):
-                    self._scatter(layer, i, view)
-                    got[layer, i] = True
+                    try:
+                        self._scatter(layer, i, view)
+                        got[layer, i] = True
+                        self.nbytes += len(view)
+                    except (ValueError, RuntimeError) as exc:  # a chunk of the wrong shape: recompute it
+                        logger.warning("kvring chunk %d of this step is unusable (%s); recomputing it", i, exc)
                 if got[layer].all():
+                    if layer == 0:
+                        self.first_layer_s = time.perf_counter() - self.started
                     self.layer_done[layer].set()
         except Exception:
             logger.exception("kvring load failed; the affected blocks will be recomputed")
@@ -64,8 +76,10 @@ class _LoadJob:
         for i, meta in enumerate(found):
             if meta is None or not got[:, i].all():
                 self._fail(i)
+        self.seconds = time.perf_counter() - self.started
         for event in self.layer_done:
             event.set()
+        self.worker.record_load(self)
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
         req, k = self.owner[i]
@@ -81,7 +95,10 @@ class _LoadJob:
             return
         # One copy out of the (read-only) socket frame, then a scatter through the slot mapping.
         raw = torch.from_numpy(np.frombuffer(view, dtype=np.uint8).copy())
-        src = raw.view(w.dtype).view(w.chunk, *w.token_shape)[lo - first:hi - first]
+        src = raw.view(w.dtype).view(-1, *w.token_shape)  # a partial last chunk has fewer rows
+        if src.shape[0] < hi - first:
+            raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {hi - first}")
+        src = src[lo - first:hi - first]
         slots = torch.from_numpy(req.slot_mapping[lo:hi])
         w.kv_caches[w.layer_names[layer]][slots // w.block_size, :, slots % w.block_size] = src
 
@@ -110,6 +127,7 @@ class WorkerSide:
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvring-save")
         self.saves_failed = 0
         self.chunks_saved = 0
+        self.loads: list[dict] = []  # per-step load statistics (also appended to config.stats_path)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -148,6 +166,20 @@ class WorkerSide:
             self._failed |= job.failed_blocks
             self._load_thread = None
 
+    def record_load(self, job: _LoadJob) -> None:
+        entry = {"mode": self.config.load_mode, "chunks": len(job.keys), "bytes": job.nbytes,
+                 "seconds": job.seconds, "first_layer_seconds": job.first_layer_s,
+                 "failed_blocks": len(job.failed_blocks)}
+        self.loads.append(entry)
+        del self.loads[:-1000]
+        logger.debug("kvring load: %(chunks)d chunks, %(bytes)d bytes in %(seconds).4f s", entry)
+        if self.config.stats_path:
+            try:
+                with open(self.config.stats_path, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+            except OSError as exc:
+                logger.warning("cannot append load statistics to %s: %s", self.config.stats_path, exc)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._load_thread is not None:  # a step without attention calls: finish the load first
             self._load_thread.join()
@@ -163,21 +195,23 @@ class WorkerSide:
         for req in meta.requests:
             if req.save is None:
                 continue
-            n = len(req.save.keys)
-            buf = self._saves.get(req.req_id)
-            if buf is None:
-                buf = self._saves[req.req_id] = torch.empty((n, len(self.layer_names), self.chunk, *self.token_shape),
-                                                            dtype=self.dtype)
-            slots = torch.from_numpy(req.slot_mapping[req.save.start:req.save.end])
-            buf[:, layer] = kv_layer[slots // self.block_size, :, slots % self.block_size].view(
-                n, self.chunk, *self.token_shape)
+            save = req.save
+            bufs = self._saves.get(req.req_id)
+            if bufs is None:  # one layer-major buffer per chunk; only the last may be partial
+                bufs = self._saves[req.req_id] = [
+                    torch.empty((len(self.layer_names), min(self.chunk, save.end - save.start - i * self.chunk),
+                                 *self.token_shape), dtype=self.dtype) for i in range(len(save.keys))]
+            slots = torch.from_numpy(req.slot_mapping[save.start:save.end])
+            gathered = kv_layer[slots // self.block_size, :, slots % self.block_size]
+            for i, buf in enumerate(bufs):
+                buf[layer] = gathered[i * self.chunk:i * self.chunk + buf.shape[1]]
             if layer == len(self.layer_names) - 1:
-                self._saver.submit(self._put, req.save.keys, self._saves.pop(req.req_id))
+                self._saver.submit(self._put, save.keys, self._saves.pop(req.req_id))
 
-    def _put(self, keys: list[bytes], buf: torch.Tensor) -> None:
+    def _put(self, keys: list[bytes], bufs: list[torch.Tensor]) -> None:
         try:
-            raw = buf.view(torch.uint8).numpy() if buf.dtype != torch.uint8 else buf.numpy()
-            items = [(key, raw[i], list(buf.shape[1:]), self.dtype_name, self.chunk) for i, key in enumerate(keys)]
+            items = [(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1])
+                     for key, buf in zip(keys, bufs)]
             stored = self.client.put_many(items)
             self.chunks_saved += sum(1 for s in stored if s)
         except Exception as exc:

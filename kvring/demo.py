@@ -12,9 +12,6 @@ caching, and a random model's near-tie logits amplify bf16 rounding).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -25,15 +22,6 @@ from rich.table import Table
 
 from kvring.local import LocalCluster
 from kvring.report import write_outputs
-
-
-def _instance(tmp: Path, name: str, spec: dict) -> dict:
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.vllm_run", str(tmp / f"{name}.json"),
-                           str(tmp / f"{name}.out")], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM instance {name} failed:\n{proc.stderr[-4000:]}")
-    return json.loads((tmp / f"{name}.out").read_text())
 
 
 def workload(prefix_tokens: int, suffix_tokens: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -50,7 +38,7 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
     items = workload(prefix_tokens, suffix_tokens, prompts)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("writing a random Llama model (no download) ...")
-        from kvring.vllm_run import write_tiny_llama
+        from kvring.vllm_run import run_instance, write_tiny_llama
         model = str(write_tiny_llama(tmp / "model", layers=layers, hidden=hidden, heads=8, kv_heads=4,
                                      vocab=32000, head_dim=128))
         bar.update(task, description="starting etcd and 3 cache nodes ...")
@@ -59,11 +47,11 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
             spec = {"model": model, "connector": conn, "max_tokens": 16,
                     "max_model_len": max(8192, prefix_tokens + suffix_tokens + 64)}
             bar.update(task, description="instance A: computing the workload, saving to kvring ...")
-            a = _instance(tmp, "A", {**spec, "prompts": [{"tokens": p} for p in items]})
+            a = run_instance(tmp, "A", {**spec, "prompts": [{"tokens": p} for p in items]})
             bar.update(task, description="instance B: same prompts, loading from kvring ...")
-            b = _instance(tmp, "B", {**spec, "prompts": [{"tokens": p} for p in items]})
+            b = run_instance(tmp, "B", {**spec, "prompts": [{"tokens": p} for p in items]})
             bar.update(task, description="instance C: recomputing every prompt ...")
-            c = _instance(tmp, "C", {**spec, "prompts": [{"tokens": p, "salt": f"recompute-{i}"}
+            c = run_instance(tmp, "C", {**spec, "prompts": [{"tokens": p, "salt": f"recompute-{i}"}
                                                           for i, p in enumerate(items)]})
     rows = []
     for i, p in enumerate(items):

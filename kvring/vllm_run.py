@@ -8,6 +8,7 @@ prompt's greedy output tokens, its time to first token and the tokens loaded fro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +30,20 @@ def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int 
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+def run_instance(tmp: Path, name: str, spec: dict) -> dict:
+    """Run ``spec`` in a vLLM instance of its own (a child process); its OUT as a dict."""
+    import subprocess
+
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.vllm_run", str(tmp / f"{name}.json"),
+                           str(tmp / f"{name}.out")], capture_output=True, text=True)
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM instance {name!r} failed (exit {proc.returncode}; whole log in "
+                           f"{tmp / name}.log):\n{proc.stderr[-4000:]}")
+    return json.loads((tmp / f"{name}.out").read_text())
 
 
 def run(spec: dict) -> dict:
@@ -57,7 +72,7 @@ def run(spec: dict) -> dict:
         results.append({"tokens": list(out.outputs[0].token_ids), "seconds": t1 - t0,
                         "ttft": getattr(metrics, "first_token_latency", None) if metrics else None,
                         "cached": getattr(out, "num_cached_tokens", None)})
-    keys = []
+    keys, layout_fields = [], None
     if spec.get("connector"):
         from kvring.cachenode import ClusterClient
         from kvring.connector.connector import layout_from_vllm
@@ -66,7 +81,8 @@ def run(spec: dict) -> dict:
         with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
             layout = layout_from_vllm(llm.llm_engine.vllm_config, c.contract.chunk_size)
         keys = [[k.hex() for k in request_keys(layout, item["tokens"], item.get("salt"))] for item in spec["prompts"]]
-    return {"results": results, "keys": keys}
+        layout_fields = dataclasses.asdict(layout)
+    return {"results": results, "keys": keys, "layout": layout_fields}
 
 
 if __name__ == "__main__":

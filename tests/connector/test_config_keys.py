@@ -28,7 +28,7 @@ def test_config_from_extra_config_env_and_defaults():
     ({"etcd": "h:1", "timeout": "soon"}, "timeout must be a float"),
     ({"etcd": "h:1", "timeout": 0}, "timeout must be positive"),
     ({"etcd": "h:1", "save_decode_cache": "maybe"}, "save_decode_cache must be a bool"),
-    ({"etcd": "h:1", "save_decode_cache": True}, "not supported by this kvring version yet"),
+    ({"etcd": "h:1", "lookup_lease_ms": -1}, "lookup_lease_ms must be >= 0"),
     ({"etcd": "h:1", "etc": "typo"}, "unknown kv_connector_extra_config keys"),
 ])
 def test_bad_settings_say_what_to_set(extra, message):

@@ -100,3 +100,38 @@ def test_node_killed_between_instances_still_gives_identical_output(etcd_server,
         b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
     assert [r["tokens"] for r in b["results"]] == reference[:2]
     assert b["results"][0]["cached"] < 4 * CHUNK  # the lost chunks were recomputed, not loaded
+
+
+def test_unfull_chunk_and_decode_cache_are_saved_and_loaded(etcd_server, model, prompts, tmp_path):
+    """save_unfull_chunk stores a prompt's partial last chunk, save_decode_cache the chunks that
+    decoding fills; a second instance loads both and computes the same tokens as a recompute."""
+    from kvring.connector.keys import KVLayout, request_keys
+
+    q = prompts[0] + prompts[1][-100:]  # 1200 tokens: 4 whole chunks + 176 (one whole 128-block)
+    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-saves") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "save_unfull_chunk": True,
+                "save_decode_cache": True}
+        # A computes q twice: under a salt (the recompute reference) and plainly; 100 new tokens
+        # take the sequence past 1280, so decoding fills chunk 4.
+        a = _run(tmp_path, "A", {"model": model, "connector": conn, "max_tokens": 100,
+                                 "prompts": [{"tokens": q, "salt": "ref"}, {"tokens": q}]})
+        ref_q, out_q = (r["tokens"] for r in a["results"])
+        assert out_q == ref_q and len(out_q) == 100
+        layout = KVLayout(**a["layout"])
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            stored = _stored_keys(client)
+        for salt in ("ref", None):
+            prompt_keys = request_keys(layout, q, salt, full_chunks_only=False)  # 4 whole + the partial
+            decode_keys = request_keys(layout, q + out_q, salt)[:5]  # whole chunks of prompt + output
+            assert len(prompt_keys) == 5 and prompt_keys[:4] == decode_keys[:4]
+            assert {k.hex() for k in prompt_keys + decode_keys} <= stored
+        assert len(stored) == 2 * 6  # exactly those, for both namespaces
+        follow_up = q + out_q  # 1300 tokens: chunks 0-4 in the cluster
+        b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
+            {"tokens": q}, {"tokens": follow_up}, {"tokens": follow_up, "salt": "ref-b"}]})
+    outs = [r["tokens"] for r in b["results"]]
+    cached = [r["cached"] for r in b["results"]]
+    assert outs[0] == out_q[:8] and outs[1] == outs[2]
+    # q: 4 chunks + the partial one, up to the block boundary before the last token (1152);
+    # the follow-up: 5 whole chunks, the fifth saved while A was decoding.
+    assert cached == [1152, 1280, 0]

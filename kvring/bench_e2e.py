@@ -1,0 +1,175 @@
+"""`kvring bench e2e`: time to first token, loaded from a kvring cluster vs recomputed.
+
+One run, one local 3-node cluster, four separate vLLM instances (each its own process, as
+separate pods would be) on a random Llama big enough for prefill to matter on a CPU:
+
+- ``store``: computes each prompt once and saves its chunks (the first instance's cost);
+- ``layerwise`` and ``bulk``: a second instance in each load mode gets the same prompts and
+  loads them (vLLM's own prefix caching off, so every hit comes from kvring);
+- ``recompute``: an instance without any connector prefills each prompt from scratch.
+
+Every instance first runs a short warm-up prompt, so no figure includes engine start-up or
+first-call compilation.  The connector appends per-step load statistics to a file
+(``stats_path``); the bench turns them into the achieved load bandwidth and measures raw ZMQ
+moving the same bytes, in the same chunk sizes, over loopback in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvring.bench_dataplane import ChunkSpec, RawZmq
+from kvring.local import LocalCluster
+from kvring.report import write_outputs
+
+MODES = ("layerwise", "bulk")
+
+
+def _prompts(sizes: Sequence[int], seed: int = 7) -> list[list[int]]:
+    """One random prompt per size; different first tokens, so no two share a chunk."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 30000, size=n).tolist() for n in sizes]
+
+
+def _warmup(instance: str) -> dict:
+    """A short first prompt; its own salt, so it neither loads nor leaves anything for others."""
+    return {"tokens": list(range(100, 356)), "salt": f"warm-up-{instance}"}
+
+
+def _raw_zmq_seconds(chunk_bytes: int, chunks: int, layers: int, repeats: int = 5) -> float:
+    """Median seconds for raw ZMQ to stream ``chunks`` chunks of ``chunk_bytes``, layer by layer."""
+    spec = ChunkSpec("e2e", "bench", (layers, chunk_bytes // layers // 2))
+    raw = RawZmq()
+    try:
+        keys = [f"e2e-{i}".encode() for i in range(chunks)]
+        payloads = [np.random.default_rng(i).integers(0, 255, size=chunk_bytes, dtype=np.uint8)
+                    for i in range(chunks)]
+        raw.put(keys, payloads, spec)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            raw.stream(keys, spec)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        raw.close()
+
+
+def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
+                  memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None) -> dict:
+    from kvring.vllm_run import run_instance, write_tiny_llama
+
+    console = Console()
+    tmp = Path(tempfile.mkdtemp(prefix="kvring-bench-e2e-"))
+    prompts = _prompts(sizes)
+    max_len = max(8192, max(sizes) + 64)
+    steps = ["model", "cluster", "store", *MODES, "recompute", "raw ZMQ"]
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("writing a random Llama (no download)", total=len(steps))
+        model = str(write_tiny_llama(tmp / "model", layers=layers, hidden=hidden, heads=8, kv_heads=4,
+                                     vocab=32000, head_dim=128))
+        bar.advance(task)
+        bar.update(task, description="starting etcd and 3 cache nodes")
+        runs: dict[str, dict] = {}
+        stats: dict[str, list[dict]] = {}
+        with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e") as cluster:
+            bar.advance(task)
+            base = {"model": model, "max_tokens": 1, "max_model_len": max_len}
+            for name in ("store", *MODES):
+                bar.update(task, description=f"vLLM instance '{name}'")
+                stats_path = tmp / f"{name}.loads.jsonl"
+                conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "stats_path": str(stats_path),
+                        "load_mode": "layerwise" if name == "store" else name}
+                runs[name] = run_instance(tmp, name, {**base, "connector": conn,
+                                                      "prompts": [_warmup(name), *({"tokens": p} for p in prompts)]})
+                stats[name] = [json.loads(line) for line in stats_path.read_text().splitlines()] \
+                    if stats_path.exists() else []
+                bar.advance(task)
+        bar.update(task, description="vLLM instance 'recompute' (no connector)")
+        runs["recompute"] = run_instance(tmp, "recompute", {**base, "prompts": [_warmup("recompute"),
+                                                                                *({"tokens": p} for p in prompts)]})
+        bar.advance(task)
+
+        rows = []
+        for i, n in enumerate(sizes):
+            row = {"tokens": n, "recompute_ttft": runs["recompute"]["results"][i + 1]["ttft"],
+                   "store_ttft": runs["store"]["results"][i + 1]["ttft"]}
+            for mode in MODES:
+                res = runs[mode]["results"][i + 1]
+                # The loads of this prompt: the mode's statistics, in prompt order (warm-up loads nothing).
+                load = stats[mode][i] if i < len(stats[mode]) else None
+                row[mode] = {"ttft": res["ttft"], "loaded_tokens": res["cached"],
+                             "identical": res["tokens"] == runs["recompute"]["results"][i + 1]["tokens"],
+                             "load_bytes": load and load["bytes"], "load_seconds": load and load["seconds"],
+                             "load_chunks": load and load["chunks"]}
+            rows.append(row)
+        bar.update(task, description="raw ZMQ, the same bytes over loopback")
+        for row in rows:
+            load = row["bulk"]
+            if load["load_bytes"]:
+                chunk_bytes = load["load_bytes"] // load["load_chunks"]
+                row["raw_zmq_seconds"] = _raw_zmq_seconds(chunk_bytes, load["load_chunks"], layers)
+        bar.advance(task)
+
+    results = {"model": {"layers": layers, "hidden": hidden, "kv_heads": 4, "head_dim": 128}, "rows": rows}
+    console.print(_table(results))
+    write_outputs(console, results, json_out, plot, _plot)
+    return results
+
+
+def _gbps(nbytes: int | None, seconds: float | None) -> float:
+    return nbytes / seconds / 1e9 if nbytes and seconds else math.nan
+
+
+def _table(results: dict) -> Table:
+    m = results["model"]
+    table = Table(title=f"kvring bench e2e: time to first token, {m['layers']}-layer hidden-{m['hidden']} "
+                        "Llama on CPU, 3 nodes")
+    for col in ("tokens", "recompute", "A: compute+save", "B layerwise", "B bulk", "loaded",
+                "load GB/s lw|bulk", "raw ZMQ", "same"):
+        table.add_column(col, justify="right")
+    for r in results["rows"]:
+        lw, bulk = r["layerwise"], r["bulk"]
+        table.add_row(
+            str(r["tokens"]), f"{r['recompute_ttft']:.2f} s", f"{r['store_ttft']:.2f} s",
+            f"{lw['ttft']:.3f} s {r['recompute_ttft'] / lw['ttft']:.0f}x",
+            f"{bulk['ttft']:.3f} s {r['recompute_ttft'] / bulk['ttft']:.0f}x",
+            f"{lw['loaded_tokens']}|{bulk['loaded_tokens']}",
+            f"{_gbps(lw['load_bytes'], lw['load_seconds']):.2f}|{_gbps(bulk['load_bytes'], bulk['load_seconds']):.2f}",
+            f"{_gbps(bulk['load_bytes'], r.get('raw_zmq_seconds')):.2f}",
+            "yes" if lw["identical"] and bulk["identical"] else "NO")
+    return table
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for off, label, values in ((-0.27, "recompute", [r["recompute_ttft"] for r in rows]),
+                               (0.0, "kvring layerwise", [r["layerwise"]["ttft"] for r in rows]),
+                               (0.27, "kvring bulk", [r["bulk"]["ttft"] for r in rows])):
+        ax.bar(x + off, values, 0.27, label=label)
+    ax.set_yscale("log")
+    ax.set_xticks(x, [f"{r['tokens']} tokens" for r in rows])
+    ax.set_ylabel("time to first token (s, log)")
+    ax.set_title("vLLM (CPU): loaded from kvring vs recomputed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
