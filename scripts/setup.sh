@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Prepare this machine for kvring: system packages (etcd, redis for the benchmark baseline)
-# and a virtual environment in .venv with kvring installed in editable mode.  Idempotent.
+# Prepare this machine for kvring: system packages (etcd; redis for the benchmark baseline; the
+# linter for shell scripts), a virtual environment in .venv with kvring installed in editable mode, and the
+# helm and kubectl binaries the chart tests use.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
 command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || need+=(etcd-server)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck)  # checks the shell scripts (tests/operator)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
