@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Prepare this machine for kvring: system packages (etcd; redis for the benchmark baseline; the
-# linter for shell scripts), a virtual environment in .venv with kvring installed in editable mode, and the
-# helm and kubectl binaries the chart tests use.  Idempotent.
+# Prepare this machine for kvring: system packages (etcd, redis for the benchmark baseline, and
+# the shell linter), a virtual environment in .venv with kvring installed in editable mode, and
+# the helm and kubectl binaries the chart tests use.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
