@@ -4,6 +4,11 @@ A chunk's payload is ``shape = [layers, ...]`` elements of ``dtype``, laid out l
 layers ``[a, b)`` are the contiguous byte range ``[a * layer_bytes, b * layer_bytes)`` and can
 be sent as a zero-copy slice.  Every layer carries its own XXH3-64 checksum: the node verifies
 all of them on PUT, and a client verifies each layer it receives, whole chunk or layer range.
+
+A chunk may name the namespace it was computed in (the connector's model/layout/``cache_salt``
+namespace), so a whole namespace can be flushed from the cluster at once.  ``""`` means none:
+such chunks are never touched by a flush.  The field is the last one of the metadata array, so
+chunks from clients that do not send it decode with ``""``, and older nodes ignore it.
 """
 
 from __future__ import annotations
@@ -28,15 +33,17 @@ DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
 }
 MAX_DIMS = 8
+MAX_NAMESPACE_BYTES = 256
 
 
 class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
-    """Shape, dtype, token count and per-layer checksums of one chunk."""
+    """Shape, dtype, token count, per-layer checksums and namespace of one chunk."""
 
     shape: list[int]
     dtype: str
     tokens: int
     checksums: list[int]
+    namespace: str = ""  # trailing and defaulted: wire-compatible both ways
 
     @property
     def layers(self) -> int:
@@ -58,10 +65,12 @@ def layer_checksums(payload, layers: int) -> list[int]:
     return [xxhash.xxh3_64_intdigest(mv[i * step:(i + 1) * step]) for i in range(layers)]
 
 
-def make_meta(payload, shape: tuple[int, ...] | list[int], dtype: str, tokens: int) -> ChunkMeta:
+def make_meta(payload, shape: tuple[int, ...] | list[int], dtype: str, tokens: int,
+              namespace: str = "") -> ChunkMeta:
     """Build and check the metadata of a payload (client side, before PUT)."""
     shape = [int(d) for d in shape]
-    meta = ChunkMeta(shape=shape, dtype=str(dtype), tokens=int(tokens), checksums=[0] * (shape[0] if shape else 0))
+    meta = ChunkMeta(shape=shape, dtype=str(dtype), tokens=int(tokens), checksums=[0] * (shape[0] if shape else 0),
+                     namespace=str(namespace))
     validate_meta(meta, max_bytes=None)
     n = memoryview(payload).nbytes
     if n != meta.nbytes:
@@ -69,9 +78,9 @@ def make_meta(payload, shape: tuple[int, ...] | list[int], dtype: str, tokens: i
     return msgspec.structs.replace(meta, checksums=layer_checksums(payload, shape[0]))
 
 
-def array_meta(arr: np.ndarray, tokens: int, dtype: str | None = None) -> ChunkMeta:
+def array_meta(arr: np.ndarray, tokens: int, dtype: str | None = None, namespace: str = "") -> ChunkMeta:
     """``make_meta`` for a NumPy array (``dtype`` overrides, e.g. bf16 carried as uint16)."""
-    return make_meta(np.ascontiguousarray(arr), arr.shape, dtype or arr.dtype.name, tokens)
+    return make_meta(np.ascontiguousarray(arr), arr.shape, dtype or arr.dtype.name, tokens, namespace)
 
 
 def validate_meta(meta: ChunkMeta, max_bytes: int | None) -> None:
@@ -86,5 +95,7 @@ def validate_meta(meta: ChunkMeta, max_bytes: int | None) -> None:
         raise ProtocolError(f"token count must be positive, got {meta.tokens}")
     if len(meta.checksums) != meta.shape[0]:
         raise ProtocolError(f"{len(meta.checksums)} checksums for {meta.shape[0]} layers")
+    if len(meta.namespace.encode()) > MAX_NAMESPACE_BYTES:
+        raise ProtocolError(f"namespace of {len(meta.namespace.encode())} bytes exceeds {MAX_NAMESPACE_BYTES}")
     if max_bytes is not None and meta.nbytes > max_bytes:
         raise ProtocolError(f"chunk of {meta.nbytes} bytes exceeds the maximum of {max_bytes}", "too_large")

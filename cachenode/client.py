@@ -14,6 +14,10 @@ away the client keeps routing with the last ring it had.
 
 GET verifies the XXH3 checksum of every layer it receives; a mismatch counts as a miss of
 that key (it is never returned).
+
+Nodes that are ``draining`` or ``drained`` stay members (reads and flushes still reach them)
+but are left out of the ring, so no key is routed to them first.  Chunks may be put under a
+namespace (``namespace=``); ``flush_namespace`` deletes one namespace on every member.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ import zmq
 
 from . import protocol as P
 from .chunk import ChunkMeta, make_meta
-from .errors import KVRingError, MembershipError, NodeUnavailable, NoOwners, ProtocolError, RemoteError
-from .membership import Contract, Etcd, EtcdSettings, NodeRecord
+from .errors import KVRingError, MembershipError, NodeUnavailable, NoOwners, RemoteError
+from .membership import LEFT_RING_STATES, Contract, Etcd, EtcdSettings, NodeRecord
 from .ring import HashRing
 
 logger = logging.getLogger(__name__)
@@ -216,7 +220,7 @@ class ClusterClient:
         self.etcd_ok = True
         if members == self.members:
             return
-        weights = {n: r.capacity for n, r in members.items() if r.state != "draining"}
+        weights = {n: r.capacity for n, r in members.items() if r.state not in LEFT_RING_STATES}
         ring = HashRing(weights, vnodes=self.contract.vnodes, replication=self.contract.replication, epoch=revision)
         for node_id in list(self._nodes):
             rec = members.get(node_id)
@@ -439,22 +443,32 @@ class ClusterClient:
             n += 1
         return n
 
-    def put(self, key: bytes, payload, shape: Sequence[int], dtype: str, tokens: int) -> int:
+    def put(self, key: bytes, payload, shape: Sequence[int], dtype: str, tokens: int, namespace: str = "") -> int:
         """Store one layer-major chunk on its owners; returns how many replicas stored it."""
-        return self.put_many([(key, payload, shape, dtype, tokens)])[0]
+        return self.put_many([(key, payload, shape, dtype, tokens)], namespace=namespace)[0]
 
-    def put_array(self, key: bytes, arr: np.ndarray, tokens: int, dtype: str | None = None) -> int:
+    def put_array(self, key: bytes, arr: np.ndarray, tokens: int, dtype: str | None = None,
+                  namespace: str = "") -> int:
         """``put`` of a NumPy array, layer-major (``dtype`` overrides, e.g. bf16 carried as uint16)."""
         arr = np.ascontiguousarray(arr)
-        return self.put(key, arr, arr.shape, dtype or arr.dtype.name, tokens)
+        return self.put(key, arr, arr.shape, dtype or arr.dtype.name, tokens, namespace=namespace)
 
-    def put_many(self, items: Sequence[tuple[bytes, object, Sequence[int], str, int]]) -> list[int]:
-        """Store many chunks ``(key, payload, shape, dtype, tokens)`` in parallel."""
+    def put_many(self, items: Sequence[tuple], namespace: str = "") -> list[int]:
+        """Store many chunks ``(key, payload, shape, dtype, tokens)`` in parallel.
+
+        ``namespace`` tags every chunk (so ``flush_namespace`` can remove them); an item may
+        carry its own as a sixth element ``(key, payload, shape, dtype, tokens, namespace)``.
+        """
         prepared = []
-        for key, payload, shape, dtype, tokens in items:
+        for item in items:
+            if len(item) not in (5, 6):
+                raise ValueError("put_many items are (key, payload, shape, dtype, tokens[, namespace]), "
+                                 f"got {len(item)} fields")
+            key, payload, shape, dtype, tokens = item[:5]
+            ns = item[5] if len(item) == 6 else namespace
             if isinstance(payload, np.ndarray):
                 payload = np.ascontiguousarray(payload)
-            prepared.append((bytes(key), make_meta(payload, shape, dtype, tokens), payload))
+            prepared.append((bytes(key), make_meta(payload, shape, dtype, tokens, ns), payload))
         if not prepared:
             return []
         total = sum(memoryview(p).nbytes for _, _, p in prepared)
@@ -650,6 +664,72 @@ class ClusterClient:
                                              for n, ks in groups.items()), return_exceptions=True)
             return sum(r.deleted for r in replies if isinstance(r, P.DeleteReply))
         return self._call(run(), timeout=self.timeout + 1)
+
+    def flush_namespace(self, namespace: str) -> int:
+        """Delete every chunk of ``namespace`` on every member; returns how many were deleted.
+
+        Raises ``KVRingError`` naming the nodes that did not confirm (their chunks of the
+        namespace may remain; flushing again is safe).  ``""`` (chunks without a namespace) is
+        refused: it never means "everything"."""
+        per_node = self.flush_namespace_nodes(namespace)
+        failed = {n: r for n, r in per_node.items() if isinstance(r, str)}
+        deleted = sum(r for r in per_node.values() if isinstance(r, int))
+        if failed:
+            detail = "; ".join(f"{n}: {why}" for n, why in sorted(failed.items()))
+            raise KVRingError(f"flushed {deleted} chunks of {namespace!r}, but {len(failed)} node(s) did not "
+                              f"confirm ({detail}); run the flush again when they are back")
+        return deleted
+
+    def flush_namespace_nodes(self, namespace: str) -> dict[str, int | str]:
+        """``flush_namespace`` node by node: chunks deleted, or why that node failed."""
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError("a namespace to flush must be a non-empty string; chunks put without one "
+                             "cannot be flushed (that would mean the whole cluster)")
+
+        async def run():
+            async def one(node_id):
+                try:
+                    reply = await self._simple(node_id, P.Flush(rid=next(self._rids), namespace=namespace))
+                    return node_id, reply.deleted
+                except KVRingError as exc:
+                    return node_id, str(exc)
+            return dict(await asyncio.gather(*(one(n) for n in sorted(self._nodes))))
+        return self._call(run(), timeout=self.timeout + 1)
+
+    def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Which nodes hold each key: every owner on the current ring is asked (and, right after
+        a ring change, the previous owners too), without leasing anything.  For inspection;
+        routing uses ``lookup``."""
+        keys = list(keys)
+        if not keys:
+            return []
+        prev = self._previous_ring()
+        candidates = self.ring.owners_many(keys)  # primary first, then the previous owners
+        if prev is not None:
+            candidates = [cur + [n for n in old if n not in cur]
+                          for cur, old in zip(candidates, prev.owners_many(keys))]
+        ask: dict[str, list[int]] = defaultdict(list)
+        for i, owners in enumerate(candidates):
+            for node_id in owners:
+                if node_id in self._nodes:
+                    ask[node_id].append(i)
+
+        async def run():
+            found: list[set[str]] = [set() for _ in keys]
+
+            async def one(node_id, idx):
+                try:
+                    reply = await self._simple(node_id, P.Lookup(rid=next(self._rids), epoch=self.ring.epoch,
+                                                                 keys=[keys[i] for i in idx]))
+                except KVRingError as exc:
+                    logger.debug("locate on %s failed: %s", node_id, exc)
+                    return
+                for i, hit in zip(idx, reply.present):
+                    if hit:
+                        found[i].add(node_id)
+            await asyncio.gather(*(one(n, idx) for n, idx in ask.items()))
+            return [[n for n in owners if n in got] for owners, got in zip(candidates, found)]
+        return self._call(run(), timeout=self.timeout * 2 + 1)
 
     def list_keys(self, node: str, after: bytes = b"", limit: int = 10_000) -> list[bytes]:
         """Keys stored on ``node``, in byte order, starting after ``after`` (paged)."""

@@ -7,6 +7,16 @@ Layout under ``<prefix>/<cluster>/`` (default prefix ``/kvring``):
 - ``nodes/<node-id>``: one JSON ``NodeRecord`` per node, attached to the node's lease (TTL ~10 s,
   kept alive at a third of it).  A node that dies stops refreshing; etcd deletes the record
   when the lease runs out and every client drops the node from its ring.
+- ``drain/<node-id>``: a drain request (no lease; JSON with the time it was asked for).  The
+  node polls for its key, sets its state ``draining`` (clients drop it from the ring, it keeps
+  serving reads), hands every chunk to its new owners and then reports ``drained``.  Deleting
+  the key (``cancel_drain``) before the node exits sends it back to ``active``.  A node that
+  exits after reporting ``drained`` deletes its key itself: the request has been carried out,
+  and a pod that later comes back under the same id starts active.
+
+Node states: ``joining`` and ``active`` nodes are on the ring; ``draining`` and ``drained``
+nodes are members (their records and addresses stay, reads may still reach them) but own no
+keys (``LEFT_RING_STATES``).
 
 Only this module imports ``aetcd``; grpc/etcd failures become ``MembershipError``.
 Both classes here run on an asyncio loop that their owner drives (the node's or the client's
@@ -32,7 +42,8 @@ from .ring import DEFAULT_VNODES
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/kvring"
-NODE_STATES = ("joining", "active", "draining")
+NODE_STATES = ("joining", "active", "draining", "drained")
+LEFT_RING_STATES = frozenset({"draining", "drained"})  # members that own no keys
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,16 @@ class EtcdSettings:
     @property
     def nodes_prefix(self) -> bytes:
         return self.key("nodes") + b"/"
+
+    @property
+    def drain_prefix(self) -> bytes:
+        return self.key("drain") + b"/"
+
+
+def _check_node_id(node_id: str) -> str:
+    if not isinstance(node_id, str) or not node_id or "/" in node_id:
+        raise ValueError(f"node id {node_id!r} must be non-empty and contain no '/'")
+    return node_id
 
 
 class Etcd:
@@ -188,6 +209,28 @@ class Etcd:
             out[rec.node_id] = rec
         return out, rng.header.revision
 
+    async def request_drain(self, node_id: str) -> None:
+        """Ask ``node_id`` to hand off its chunks and leave the ring (idempotent)."""
+        key = self.settings.key("drain", _check_node_id(node_id))
+        value = json.dumps({"requested_at": time.time()}).encode()
+        await self.call(lambda c: c.put(key, value))
+
+    async def cancel_drain(self, node_id: str) -> None:
+        """Withdraw a drain request; a node still running goes back to ``active``."""
+        key = self.settings.key("drain", _check_node_id(node_id))
+        await self.call(lambda c: c.delete(key))
+
+    async def drain_requests(self) -> set[str]:
+        """Node ids with a pending drain request."""
+        rng = await self.call(lambda c: c.get_prefix(self.settings.drain_prefix))
+        cut = len(self.settings.drain_prefix)
+        return {kv.key[cut:].decode() for kv in rng}
+
+    async def drain_requested(self, node_id: str) -> bool:
+        """Whether ``node_id`` has a pending drain request (what a node polls)."""
+        got = await self.call(lambda c: c.get(self.settings.key("drain", _check_node_id(node_id))))
+        return got is not None
+
     async def delete_cluster(self) -> int:
         rng = await self.call(lambda c: c.delete_prefix(self.settings.key("")))
         return getattr(rng, "deleted", 0)
@@ -205,12 +248,15 @@ class Registrar:
         self.registrations = 0
         self._lease = None
         self._dirty = True
+        self._wake = asyncio.Event()
 
     def set_state(self, state: str) -> None:
+        """Change the recorded state; the record is rewritten at once, not at the next refresh."""
         if state not in NODE_STATES:
             raise ValueError(f"unknown node state {state!r}")
         self.record = msgspec.structs.replace(self.record, state=state)
         self._dirty = True
+        self._wake.set()
 
     async def register_once(self) -> None:
         """Check the contract and write the record under a fresh lease (raises on mismatch)."""
@@ -246,7 +292,11 @@ class Registrar:
                     logger.warning("node %s lost etcd (%s); will re-register", self.record.node_id, exc)
                 self._lease = None
                 self.registered.clear()
-            await asyncio.sleep(period)
+            try:
+                await asyncio.wait_for(self._wake.wait(), period)
+            except TimeoutError:
+                pass
+            self._wake.clear()
 
     async def deregister(self) -> None:
         if self._lease is not None:
@@ -255,12 +305,3 @@ class Registrar:
                 await self.etcd.call(lambda c: c.revoke_lease(lease.id))
             except MembershipError:
                 pass
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(interval)
-    return predicate()

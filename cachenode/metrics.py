@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .protocol import ERROR_CODES
 
-OPS = ("ping", "lookup", "get", "put", "delete", "stats", "keys")
+OPS = ("ping", "lookup", "get", "put", "delete", "stats", "keys", "flush")
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 
 

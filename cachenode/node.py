@@ -2,13 +2,25 @@
 registration in etcd.
 
 Threads: the main thread runs the data loop (all store access happens there); a daemon thread
-serves HTTP; another runs an asyncio loop that keeps the etcd registration alive.  SIGTERM or
+serves HTTP; another runs an asyncio loop that keeps the etcd registration alive and polls
+this node's drain key; the handoff thread moves chunks the node no longer owns.  SIGTERM or
 SIGINT stops the loop, revokes the lease (the node leaves the ring at once) and exits 0.
+
+Drain: requested through etcd (``Etcd.request_drain``, polled every ``drain_poll`` seconds) or
+by ``POST /drain`` on the admin port (from loopback only: that is the pod's preStop hook; from
+elsewhere use etcd, which the admin API guards with a token).  The node sets its state
+``draining`` (clients drop it from the ring; it keeps serving reads for their previous-owner
+fallback), the handoff thread moves every chunk to its new owner, and the node reports
+``drained``.  ``/readyz`` answers 503 from the moment the drain begins; ``/stats`` (and
+``GET /drain``) show its progress and, while it cannot finish, why.  A drain with nowhere to
+go (no other active node) keeps its chunks and stays ``draining``.  Withdrawing every request
+(``Etcd.cancel_drain``, ``DELETE /drain``) returns the node to ``active``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -26,8 +38,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import protocol as P
 from .chunk import validate_meta
 from .errors import ContractMismatch, MembershipError, ProtocolError
-from .handoff import Handoff
-from .membership import Contract, Etcd, EtcdSettings, NodeRecord, Registrar
+from .handoff import DrainProgress, Handoff
+from .membership import LEFT_RING_STATES, Contract, Etcd, EtcdSettings, NodeRecord, Registrar
 from .metrics import NodeMetrics
 from .policy import make_policy
 from .store import ChunkStore, StoreFull
@@ -57,6 +69,7 @@ class NodeConfig:
     lease_ttl: int = 10
     contract: Contract = field(default_factory=Contract)
     handoff: bool = True
+    drain_poll: float = 1.0  # seconds between looks at this node's drain key in etcd
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -69,6 +82,8 @@ class NodeConfig:
             raise ValueError("--max-leased-fraction must be in [0, 1)")
         if self.lease_ttl < 1:
             raise ValueError("--lease-ttl must be at least 1 second")
+        if not self.drain_poll > 0:
+            raise ValueError("drain_poll must be positive seconds")
         make_policy(self.policy)
 
 
@@ -105,9 +120,13 @@ class CacheNode:
         self._stop = threading.Event()
         self.fatal: str | None = None
         self.started = time.time()
+        self._drain_lock = threading.Lock()
+        self.drain_requests: set[str] = set()  # who asked: "etcd", "http"
+        self.drain_started: float | None = None
+        self.drain_finished: float | None = None
         self._handlers = {
             P.Ping: self._ping, P.Lookup: self._lookup, P.Get: self._get, P.Put: self._put,
-            P.Delete: self._delete, P.Stats: self._stats, P.ListKeys: self._keys,
+            P.Delete: self._delete, P.Stats: self._stats, P.ListKeys: self._keys, P.Flush: self._flush,
         }
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -122,7 +141,10 @@ class CacheNode:
                 raise ContractMismatch(self.fatal)
             if self.config.handoff:
                 self.handoff = Handoff(self.config.node_id, self.config.etcd, self.config.contract,
-                                       state=lambda: self.record.state)
+                                       state=lambda: self.record.state, held=lambda: len(self.store),
+                                       on_drained=self._drained)
+                if self.record.state in LEFT_RING_STATES:
+                    self.handoff.reset_drain()
                 self.handoff.start()
 
     def _membership_thread(self, ready: threading.Event) -> None:
@@ -133,6 +155,12 @@ class CacheNode:
         self.registrar = Registrar(etcd, self.record, self.config.contract, ttl=self.config.lease_ttl)
 
         async def main() -> None:
+            try:  # a drain requested before (re)start holds: register as draining, not active
+                if await etcd.drain_requested(self.config.node_id):
+                    self.request_drain("etcd")
+                    self.registrar.record = self.record
+            except MembershipError:
+                pass
             try:
                 await self.registrar.register_once()
                 logger.info("node %s registered in etcd as %s", self.config.node_id, self.record.data_addr)
@@ -143,19 +171,93 @@ class CacheNode:
                 ready.set()
                 return
             ready.set()
+            watcher = asyncio.ensure_future(self._watch_drain_key(Etcd(self.config.etcd)))
             try:
                 await self.registrar.run()
             except ContractMismatch as exc:
                 self.fatal = str(exc)
                 logger.error("%s", exc)
                 self._stop.set()
+            finally:
+                watcher.cancel()
 
         loop.run_until_complete(main())
+
+    async def _watch_drain_key(self, etcd: Etcd) -> None:
+        """Follow this node's drain key in etcd (a cheap point read every ``drain_poll`` seconds)."""
+        try:
+            while True:
+                try:
+                    requested = await etcd.drain_requested(self.config.node_id)
+                    if self._stop.is_set():
+                        return  # shutting down: the state no longer changes
+                    if requested:
+                        self.request_drain("etcd")
+                    else:
+                        self.cancel_drain("etcd")
+                except MembershipError:
+                    pass  # keep the current state; the registrar logs etcd outages
+                await asyncio.sleep(self.config.drain_poll)
+        finally:
+            await etcd.close()
 
     def set_state(self, state: str) -> None:
         if self.registrar is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.registrar.set_state, state)
         self.record = msgspec.structs.replace(self.record, state=state)
+
+    # ---- drain ------------------------------------------------------------------------------
+
+    def request_drain(self, source: str) -> None:
+        """Start draining (idempotent); ``source`` ("etcd" or "http") records who asked."""
+        with self._drain_lock:
+            new = source not in self.drain_requests
+            self.drain_requests.add(source)
+            if self.record.state in LEFT_RING_STATES:
+                return
+            self.drain_started, self.drain_finished = time.time(), None
+            if self.handoff is not None:
+                self.handoff.reset_drain()
+            self.set_state("draining")
+        if new:
+            logger.info("node %s draining (asked through %s)", self.config.node_id, source)
+
+    def cancel_drain(self, source: str) -> None:
+        """Withdraw ``source``'s request; with none left the node goes back to ``active``."""
+        with self._drain_lock:
+            if source not in self.drain_requests:
+                return
+            self.drain_requests.discard(source)
+            if self.drain_requests or self.record.state not in LEFT_RING_STATES:
+                return
+            self.drain_started = self.drain_finished = None
+            self.set_state("active")
+        logger.info("node %s: drain cancelled, active again", self.config.node_id)
+
+    def _drained(self) -> None:
+        with self._drain_lock:
+            if self.record.state != "draining":
+                return
+            self.drain_finished = time.time()
+            self.set_state("drained")
+        logger.info("node %s drained: every chunk handed off", self.config.node_id)
+
+    def drain_status(self) -> dict:
+        progress = self.handoff.drain if self.handoff is not None else DrainProgress()
+        state = self.record.state
+        waiting = progress.waiting if state in LEFT_RING_STATES else ""
+        if state == "draining" and self.handoff is None:
+            waiting = ("this node runs without handoff (--no-handoff or no etcd): its chunks stay here; "
+                       "restart it with handoff to drain")
+        return {
+            "state": state,
+            "requested_by": sorted(self.drain_requests),
+            "started_at": self.drain_started,
+            "finished_at": self.drain_finished,
+            "handed_off": progress.handed_off,
+            "remaining": len(self.store) if state in LEFT_RING_STATES else None,
+            "waiting": waiting,
+        }
 
     def stop(self) -> None:
         self._stop.set()
@@ -177,6 +279,14 @@ class CacheNode:
     def _shutdown(self) -> None:
         if self.handoff is not None:
             self.handoff.stop()
+        if self.record.state == "drained" and "etcd" in self.drain_requests and self._loop is not None \
+                and self._loop.is_running():
+            # The drain request has been carried out: a pod coming back under this id starts active.
+            fut = asyncio.run_coroutine_threadsafe(self.registrar.etcd.cancel_drain(self.config.node_id), self._loop)
+            try:
+                fut.result(timeout=2)
+            except Exception:
+                logger.warning("could not remove this node's drain request from etcd")
         if self.registrar is not None and self._loop is not None and self._loop.is_running():
             fut = asyncio.run_coroutine_threadsafe(self.registrar.deregister(), self._loop)
             try:
@@ -319,6 +429,13 @@ class CacheNode:
     def _stats(self, ident, req: P.Stats, _) -> None:
         self._send(ident, P.StatsReply(rid=req.rid, stats=self.stats()))
 
+    def _flush(self, ident, req: P.Flush, _) -> None:
+        if not req.namespace:
+            raise ProtocolError("Flush needs a namespace; chunks put without one cannot be flushed", "bad_namespace")
+        deleted = self.store.delete_namespace(req.namespace)
+        logger.info("flushed namespace %r: %d chunks", req.namespace, deleted)
+        self._send(ident, P.FlushReply(rid=req.rid, deleted=deleted))
+
     def _keys(self, ident, req: P.ListKeys, _) -> None:
         limit = min(max(req.limit, 0), MAX_KEYS_PER_REQUEST)
         keys = sorted(k for k in self.store.keys() if k > req.after)[:limit]
@@ -344,6 +461,8 @@ class CacheNode:
             "registered": bool(self.registrar and self.registrar.registered.is_set()),
             "registrations": self.registrar.registrations if self.registrar else 0,
             "handed_off": self.handoff.moved if self.handoff else 0,
+            "namespaces": len(self.store.namespaces()),
+            "drain": self.drain_status(),
             "uptime_s": round(time.time() - self.started, 3),
             "pid": os.getpid(),
         }
@@ -357,14 +476,48 @@ def _make_http_handler(node: CacheNode):
                 self._reply(200, b"ok\n", "text/plain")
             elif path == "/readyz":
                 ready = node.config.etcd is None or (node.registrar is not None and node.registrar.registered.is_set())
-                ready = ready and node.record.state != "draining"
+                ready = ready and node.record.state not in LEFT_RING_STATES
                 self._reply(200 if ready else 503, b"ready\n" if ready else b"not ready\n", "text/plain")
             elif path == "/metrics":
                 self._reply(200, generate_latest(node.metrics.registry), CONTENT_TYPE_LATEST)
             elif path == "/stats":
-                self._reply(200, json.dumps(node.stats()).encode(), "application/json")
+                self._json(200, node.stats())
+            elif path == "/drain":
+                self._json(200, node.drain_status())
             else:
-                self._reply(404, b"not found; try /healthz /readyz /metrics /stats\n", "text/plain")
+                self._reply(404, b"not found; try /healthz /readyz /metrics /stats /drain\n", "text/plain")
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self._drain_path():
+                node.request_drain("http")
+                self._json(202, node.drain_status())
+
+        def do_DELETE(self) -> None:  # noqa: N802
+            if self._drain_path():
+                node.cancel_drain("http")
+                self._json(200, node.drain_status())
+
+        def _drain_path(self) -> bool:
+            """Checks shared by POST/DELETE /drain; replies and returns False when they fail."""
+            length = self.headers.get("Content-Length", "0")
+            length = int(length) if length.isdigit() else 0
+            if 0 < length <= 1 << 16:
+                self.rfile.read(length)  # any body is ignored, but must not be left on the connection
+            if self.path.split("?", 1)[0] != "/drain":
+                self._json(404, {"error": "not found; POST or DELETE /drain"})
+                return False
+            if not _is_loopback(self.client_address[0]):
+                self._json(403, {"error": "POST/DELETE /drain are accepted from loopback only (the pod's preStop "
+                                          "hook); drain this node remotely through etcd: `kvring drain --etcd ... "
+                                          f"--node {node.config.node_id}` or the admin API"})
+                return False
+            if node.config.etcd is None:
+                self._json(409, {"error": "this node runs without etcd, so there is no ring to hand chunks to"})
+                return False
+            return True
+
+        def _json(self, code: int, body: dict) -> None:
+            self._reply(code, json.dumps(body).encode(), "application/json")
 
         def _reply(self, code: int, body: bytes, ctype: str) -> None:
             self.send_response(code)
@@ -377,6 +530,13 @@ def _make_http_handler(node: CacheNode):
             logger.debug("http: " + fmt, *args)
 
     return Handler
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def run_node(config: NodeConfig) -> int:

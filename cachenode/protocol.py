@@ -15,10 +15,22 @@ Message format
     that key's bytes of that layer (a whole-chunk GET of chunks with different layer counts
     sends each key's own layers).  Headers are small; payloads are never copied into them.
 
+Operations (request -> reply)
+    ``Ping -> Pong``; ``Lookup(keys, lease_ms) -> LookupReply(present)``;
+    ``Get(keys, layer range, stream) -> GetHead, GetLayer...``; ``Put(key, meta) + payload ->
+    PutReply``; ``Delete(keys) -> DeleteReply(deleted)``; ``Stats -> StatsReply``;
+    ``ListKeys(after, limit) -> KeysReply`` (handoff and draining page through a node with it);
+    ``Flush(namespace) -> FlushReply(deleted)``: delete every chunk whose metadata names
+    ``namespace`` (``ChunkMeta.namespace``, set by the writer).  Chunks put without a namespace
+    (``""``) are never flushed, and a Flush of ``""`` is refused with ``bad_namespace`` rather
+    than read as "everything".  A Flush is per node; ``ClusterClient.flush_namespace`` sends it
+    to every member (draining ones included) and adds up the counts.
+
 Versioning
     Each header has ``v``; a node answers any other version with ``Error(code="version")``.
     Fields are only ever added with defaults; a change of meaning bumps ``PROTOCOL_VERSION``.
     Requests carry the sender's ring ``epoch`` (0 = unknown) for diagnostics and handoff.
+    New operations are added the same way: a node that predates one answers ``unknown_op``.
 
 Errors and abort
     Malformed input never crashes a node and never touches stored chunks.  It gets an ``Error``
@@ -27,10 +39,11 @@ Errors and abort
     frames (``frame_count``), a payload whose size does not match its declared shape and dtype
     (``size_mismatch``), a chunk above the node's maximum (``too_large``), an unsupported dtype
     or shape (``bad_meta``), a checksum that does not match (``checksum``), a store that cannot
-    make room (``no_space``).  Payload sizes are bounded before any allocation: the node's
-    socket refuses frames above ``max_chunk_bytes`` plus header room (ZMQ_MAXMSGSIZE, which
-    drops the offending connection), and a PUT's declared size is checked before its bytes are
-    looked at.  A client that stops waiting (timeout) simply drops late replies by ``rid``.
+    make room (``no_space``), a Flush without a namespace (``bad_namespace``).  Payload sizes
+    are bounded before any allocation: the node's socket refuses frames above
+    ``max_chunk_bytes`` plus header room (ZMQ_MAXMSGSIZE, which drops the offending
+    connection), and a PUT's declared size is checked before its bytes are looked at.  A client
+    that stops waiting (timeout) simply drops late replies by ``rid``.
 """
 
 from __future__ import annotations
@@ -45,7 +58,7 @@ PROTOCOL_VERSION = 1
 
 ERROR_CODES = (
     "bad_header", "unknown_op", "version", "frame_count", "size_mismatch", "too_large",
-    "bad_meta", "bad_key", "checksum", "no_space", "bad_range", "too_many_keys", "internal",
+    "bad_meta", "bad_key", "checksum", "no_space", "bad_range", "too_many_keys", "bad_namespace", "internal",
 )
 
 
@@ -100,7 +113,13 @@ class ListKeys(_Msg, tag="keys"):
     limit: int = 10_000
 
 
-Request = Ping | Lookup | Get | Put | Delete | Stats | ListKeys
+class Flush(_Msg, tag="flush"):
+    """Delete every chunk stored under ``namespace`` (must not be empty)."""
+
+    namespace: str
+
+
+Request = Ping | Lookup | Get | Put | Delete | Stats | ListKeys | Flush
 
 
 # ---- replies ---------------------------------------------------------------------------------
@@ -146,12 +165,17 @@ class KeysReply(_Msg, tag="keys_ok"):
     keys: list[bytes]
 
 
+class FlushReply(_Msg, tag="flush_ok"):
+    deleted: int
+
+
 class Error(_Msg, tag="error"):
     code: str
     message: str
 
 
-Reply = Pong | LookupReply | GetHead | GetLayer | PutReply | DeleteReply | StatsReply | KeysReply | Error
+Reply = (Pong | LookupReply | GetHead | GetLayer | PutReply | DeleteReply | StatsReply | KeysReply | FlushReply
+         | Error)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -8,6 +8,10 @@ over until the worker that was told about them has loaded them.  Leases are boun
 bytes never exceed ``max_leased_fraction`` of the budget (a lookup past the bound still reports
 the chunk, it just does not lease it), and when nothing unleased is left to evict, leased
 chunks are evicted too — a lease can never pin the store full.
+
+Namespaces: chunks whose metadata names a namespace are indexed by it, so a flush of one
+namespace deletes its chunks without scanning the store.  Chunks without a namespace (``""``)
+are not indexed and no flush reaches them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class ChunkStore:
         self._clock = clock
         self._entries: dict[bytes, Entry] = {}
         self._leased: dict[bytes, float] = {}
+        self._by_namespace: dict[str, set[bytes]] = {}
         self.used = 0
         self.evictions = 0
         self.evicted_bytes = 0
@@ -76,6 +81,8 @@ class ChunkStore:
             raise StoreFull(f"chunk of {size} bytes exceeds the store's capacity of {self.capacity}")
         self._make_room(size)
         self._entries[key] = Entry(meta, mv.toreadonly())
+        if meta.namespace:
+            self._by_namespace.setdefault(meta.namespace, set()).add(key)
         self.used += size
         self.policy.inserted(key)
         return True
@@ -86,6 +93,20 @@ class ChunkStore:
             return False
         self._forget(key, entry)
         return True
+
+    def delete_namespace(self, namespace: str) -> int:
+        """Delete every chunk stored under ``namespace`` (never ``""``); returns how many."""
+        if not namespace:
+            raise ValueError("refusing to flush the empty namespace (it would mean chunks that have none)")
+        keys = self._by_namespace.pop(namespace, set())
+        for key in keys:
+            entry = self._entries.pop(key)
+            self._forget(key, entry)
+        return len(keys)
+
+    def namespaces(self) -> dict[str, int]:
+        """Chunks held per namespace (chunks without one are not listed)."""
+        return {ns: len(keys) for ns, keys in self._by_namespace.items()}
 
     def lookup(self, keys: list[bytes], lease_ms: int = 0) -> list[bool]:
         """Presence of each key; present ones count as used and are leased for ``lease_ms``
@@ -145,3 +166,9 @@ class ChunkStore:
         self.used -= entry.buf.nbytes
         self._leased.pop(key, None)
         self.policy.removed(key)
+        ns = entry.meta.namespace
+        if ns and ns in self._by_namespace:
+            members = self._by_namespace[ns]
+            members.discard(key)
+            if not members:
+                del self._by_namespace[ns]
