@@ -218,6 +218,39 @@ def trace(
               block_bytes=_size(block_bytes, "--block-bytes"), json_out=json_out, plot=plot)
 
 
+@app.command()
+def drain(
+    admin_url: Annotated[str | None, typer.Option(
+        "--admin", help="The node's admin URL, e.g. http://127.0.0.1:8080 (a pod's preStop hook).")] = None,
+    etcd: Annotated[str | None, typer.Option("--etcd", help="etcd endpoints, to drain --node through etcd.")] = None,
+    cluster: ClusterOpt = "default",
+    node_id: Annotated[str | None, typer.Option("--node", help="Node id to drain (with --etcd).")] = None,
+    wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for 'drained' (0: do not wait).",
+                                        min=0)] = 0,
+    cancel: Annotated[bool, typer.Option("--cancel", help="Withdraw the drain request instead.")] = False,
+) -> None:
+    """Drain a node: it leaves the ring and hands every chunk to its new owners, then reports drained."""
+    from kvring.cachenode.membership import EtcdSettings
+    from kvring.drain import DrainFailed, drain_via_admin, drain_via_etcd
+
+    if (admin_url is None) == (etcd is None):
+        raise typer.BadParameter("give either --admin URL (drain the node behind it) or --etcd with --node")
+    try:
+        if admin_url is not None:
+            drain_via_admin(admin_url, wait, cancel, typer.echo)
+        else:
+            if not node_id:
+                raise typer.BadParameter("--etcd needs --node NODE_ID", param_hint="--node")
+            try:
+                settings = EtcdSettings.parse(etcd, cluster=cluster)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--etcd") from None
+            drain_via_etcd(settings, node_id, wait, cancel, typer.echo)
+    except DrainFailed as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 def main() -> None:
     app()
 
