@@ -251,6 +251,26 @@ def drain(
         raise typer.Exit(1) from None
 
 
+@app.command()
+def operator(
+    namespace: Annotated[list[str] | None, typer.Option(
+        "--namespace", "-n", help="Serve CacheClusters in this namespace (repeat; globs allowed). Default: all.")] = None,
+    status_interval: Annotated[float, typer.Option(help="Seconds between status updates of each CacheCluster.",
+                                                   min=0.1)] = 10.0,
+    etcd_timeout: Annotated[float, typer.Option(help="Seconds per etcd request.", min=0.1)] = 2.0,
+    liveness: Annotated[str | None, typer.Option(
+        help="Serve a liveness probe here, e.g. http://0.0.0.0:8081/healthz.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run the Kubernetes operator for CacheCluster resources (in a pod: its service account; else $KUBECONFIG)."""
+    from kvring.operator.config import OperatorConfig
+    from kvring.operator.main import run
+
+    _logging(verbose)
+    run(OperatorConfig(namespaces=tuple(namespace or ()), status_interval=status_interval,
+                       etcd_timeout=etcd_timeout, liveness_endpoint=liveness), verbose=verbose)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,316 @@
+"""The kopf handlers of ``kvring operator``, registered on a registry passed in.
+
+Thin by design: the render functions (``render``) say what the children look like, ``scaling``
+decides replicas and drains, ``status`` turns observations into the status object, ``kube``
+creates or patches children, and etcd is reached only through ``kvring.cachenode.membership``.
+
+- ``reconcile`` (create, resume, spec update): parse the spec (an invalid one gets the
+  ``ConfigMismatch`` condition and a warning event and is left there: no retry loop, the cluster
+  keeps its last good objects); plan replicas (a scale-in keeps the StatefulSet's size and asks
+  the leaving nodes to drain); render, adopt and create-or-patch every child.
+- ``observe`` (timer): read the StatefulSet, the members in etcd and the nodes' ``/stats``;
+  finish a scale-in once its nodes are drained or its timeout passed; write ``status``.
+- ``cleanup`` (deletion, behind the operator's finalizer): delete the cluster's keys from etcd.
+  Children go by owner-reference garbage collection.
+
+``register(registry, config)`` adds no global state: tests run it on a fresh
+``kopf.OperatorRegistry`` in-process, and ``main`` does the same for the real command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import kopf
+
+from kvring.cachenode.membership import Etcd, EtcdSettings, MembershipError
+
+from . import render, scaling
+from . import status as st
+from .config import OperatorConfig
+from .kube import KubeClient, KubeError, OwnedElsewhere
+from .spec import GROUP, PLURAL, VERSION, ClusterSpec, SpecError, check_name
+
+logger = logging.getLogger(__name__)
+
+FINALIZER = "kvring.io/cleanup"
+ANNOTATION_PREFIX = "kvring.io"
+
+
+def parse(name: str, spec: Mapping[str, Any]) -> ClusterSpec:
+    """The validated spec; raises ``SpecError`` for a spec (or name) that cannot work."""
+    check_name(name)
+    return ClusterSpec.from_dict(dict(spec))
+
+
+def etcd_target(name: str, namespace: str, spec: ClusterSpec | None,
+                status: Mapping[str, Any] | None) -> tuple[tuple[str, ...], str] | None:
+    """(etcd endpoints, cluster key) of a CacheCluster: from its spec, or, for a spec that no
+    longer parses, from the connector settings its status last published."""
+    if spec is not None:
+        return tuple(render.etcd_endpoints(name, namespace, spec)), render.cluster_key(name, namespace)
+    try:
+        extra = json.loads((status or {}).get("connector") or "")["kv_connector_extra_config"]
+        return tuple(extra["etcd"].split(",")), extra["cluster"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+class CacheClusterHandlers:
+    """The handlers and what they share: the Kubernetes client, an HTTP session for node stats,
+    and one ``Etcd`` connection per (endpoints, cluster)."""
+
+    def __init__(self, config: OperatorConfig) -> None:
+        self.config = config
+        self.kube: KubeClient | None = None
+        self.http: aiohttp.ClientSession | None = None
+        self._etcd: dict[tuple[tuple[str, ...], str], Etcd] = {}
+
+    # ---- operator lifecycle ------------------------------------------------------------------
+
+    async def startup(self, settings: kopf.OperatorSettings, **_: Any) -> None:
+        # kopf's bookkeeping in annotations under our own prefix; the status schema is ours alone.
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+        self.kube = await KubeClient.connect()
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.stats_timeout))
+
+    async def shutdown(self, **_: Any) -> None:
+        for etcd in self._etcd.values():
+            await etcd.close()
+        self._etcd.clear()
+        if self.http is not None:
+            await self.http.close()
+        if self.kube is not None:
+            await self.kube.close()
+
+    @staticmethod
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        """In a pod: its service account; elsewhere: the current context of ``$KUBECONFIG``."""
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    def etcd(self, target: tuple[tuple[str, ...], str]) -> Etcd:
+        if target not in self._etcd:
+            endpoints, cluster = target
+            self._etcd[target] = Etcd(EtcdSettings.parse(list(endpoints), cluster=cluster,
+                                                         timeout=self.config.etcd_timeout))
+        return self._etcd[target]
+
+    async def forget_etcd(self, target: tuple[tuple[str, ...], str]) -> None:
+        etcd = self._etcd.pop(target, None)
+        if etcd is not None:
+            await etcd.close()
+
+    # ---- create / resume / update --------------------------------------------------------------
+
+    async def reconcile(self, name: str, namespace: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
+                        status: Mapping[str, Any], body: kopf.Body, patch: kopf.Patch,
+                        logger: logging.Logger, **_: Any) -> None:
+        generation = int(meta.get("generation") or 0)
+        try:
+            cs = parse(name, spec)
+        except SpecError as exc:
+            logger.error("%s", exc)
+            kopf.warn(body, reason="InvalidSpec", message=str(exc))
+            patch.status.update(st.invalid_status(status, generation, str(exc), st.now_iso()))
+            return  # nothing to retry until the spec changes; the running cluster is left alone
+
+        assert self.kube is not None
+        etcd = self.etcd(etcd_target(name, namespace, cs, None))
+        sts = await self._get_statefulset(name, namespace)
+        current = int(sts["spec"].get("replicas", 0)) if sts else None
+        pending = scaling.ScaleIn.from_annotation(meta.get("annotations", {}).get(scaling.SCALE_IN_ANNOTATION))
+        plan = scaling.plan_replicas(name, cs.replicas, current, pending, time.time())
+
+        if sts is not None:
+            await self._withdraw_stale_drains(etcd, name, plan, logger)
+        if plan.request_drains:
+            try:
+                for node_id in plan.request_drains:
+                    await etcd.request_drain(node_id)
+            except MembershipError as exc:
+                raise kopf.TemporaryError(f"cannot ask {', '.join(plan.request_drains)} to drain: {exc}",
+                                          delay=self.config.retry_delay) from exc
+            if plan.scale_in != pending:
+                kopf.info(body, reason="ScaleIn", message=scaling.describe(plan.scale_in))
+
+        results = []
+        for child in render.render_children(name, namespace, cs, replicas=plan.replicas):
+            kopf.adopt(child, owner=body)
+            try:
+                results.append((child["kind"], child["metadata"]["name"], await self.kube.apply(child)))
+            except OwnedElsewhere as exc:
+                kopf.warn(body, reason="NameTaken", message=str(exc))
+                raise kopf.TemporaryError(str(exc), delay=60) from exc
+            except KubeError as exc:
+                raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
+        changed = [f"{kind} {obj} {what}" for kind, obj, what in results if what != "unchanged"]
+        if changed:
+            logger.info("children: %s", "; ".join(changed))
+
+        annotations = scaling.annotations_patch(plan, meta.get("annotations", {}))
+        if annotations:
+            patch.metadata.annotations.update(annotations)
+        patch.status.update({
+            "observedGeneration": generation,
+            "selector": render.selector(name),
+            "connector": render.connector_json(name, namespace, cs),
+            "conditions": st.merge_conditions(status.get("conditions"),
+                                              [st.Condition("ConfigMismatch", False, "SpecValid")],
+                                              generation, st.now_iso()),
+        })
+
+    async def _get_statefulset(self, name: str, namespace: str) -> dict[str, Any] | None:
+        assert self.kube is not None
+        try:
+            return await self.kube.get("apps/v1", "StatefulSet", namespace, name)
+        except KubeError as exc:
+            raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
+
+    async def _withdraw_stale_drains(self, etcd: Etcd, name: str, plan: scaling.ReplicaPlan,
+                                     logger: logging.Logger) -> None:
+        """Before the StatefulSet keeps or gets a pod, withdraw that node's drain request (a
+        scale-out that reverses a scale-in in progress)."""
+        try:
+            stale = scaling.stale_drains(name, await etcd.drain_requests(), plan.replicas)
+            for node_id in stale:
+                await etcd.cancel_drain(node_id)
+        except MembershipError as exc:
+            if plan.scale_in is not None:
+                raise kopf.TemporaryError(f"cannot read drain requests: {exc}", delay=self.config.retry_delay) from exc
+            logger.warning("cannot check for drain requests to withdraw (etcd: %s)", exc)
+            return
+        if stale:
+            logger.info("withdrew the drain requests of %s: they stay", ", ".join(stale))
+
+    # ---- status timer --------------------------------------------------------------------------
+
+    async def observe(self, name: str, namespace: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
+                      status: Mapping[str, Any], body: kopf.Body, patch: kopf.Patch,
+                      logger: logging.Logger, **_: Any) -> None:
+        generation = int(meta.get("generation") or 0)
+        try:
+            cs = parse(name, spec)
+        except SpecError as exc:
+            update = st.changed_fields(status, st.invalid_status(status, generation, str(exc), st.now_iso()))
+            if update:
+                patch.status.update(update)
+            return
+
+        assert self.kube is not None
+        target = etcd_target(name, namespace, cs, None)
+        sts = await self._get_statefulset(name, namespace)
+        members, revision, etcd_error = await self._members(self.etcd(target))
+        pending = scaling.ScaleIn.from_annotation(meta.get("annotations", {}).get(scaling.SCALE_IN_ANNOTATION))
+        if pending is not None and sts is not None and members is not None:
+            sts, pending = await self._advance_scale_in(name, namespace, cs, sts, pending, members, body, patch, logger)
+
+        obs = st.Observation(
+            name=name, generation=generation, desired=cs.replicas, statefulset=sts, members=members,
+            revision=revision, etcd_error=etcd_error, stats=await self._stats(members),
+            scale_in=pending.view if pending is not None else None)
+        new = st.build_status(obs, status, selector=render.selector(name),
+                              connector=render.connector_json(name, namespace, cs), now=st.now_iso())
+        update = st.changed_fields(status, new)
+        if update:
+            patch.status.update(update)
+
+    async def _members(self, etcd: Etcd) -> tuple[dict[str, st.Member] | None, int, str]:
+        try:
+            records, revision = await etcd.members()
+        except MembershipError as exc:
+            return None, 0, str(exc)
+        members = {n: st.Member(node_id=n, state=r.state, capacity=r.capacity, admin_addr=r.admin_addr)
+                   for n, r in records.items()}
+        return members, revision, ""
+
+    async def _advance_scale_in(self, name: str, namespace: str, cs: ClusterSpec, sts: dict[str, Any],
+                                pending: scaling.ScaleIn, members: Mapping[str, st.Member], body: kopf.Body,
+                                patch: kopf.Patch, logger: logging.Logger) -> tuple[dict[str, Any], scaling.ScaleIn | None]:
+        """Shrink the StatefulSet once the leaving nodes are drained (or the timeout passed)."""
+        assert self.kube is not None
+        progress = scaling.drain_progress(pending, members, time.time(), cs.drain_timeout_seconds)
+        if not progress.done:
+            return sts, pending
+        if int(sts["spec"].get("replicas", 0)) > pending.target:
+            try:
+                sts = await self.kube.patch("apps/v1", "StatefulSet", namespace, name,
+                                            {"spec": {"replicas": pending.target}})
+            except KubeError as exc:
+                logger.warning("cannot shrink the StatefulSet yet: %s", exc)
+                return sts, pending
+        message = scaling.describe(pending, progress)
+        logger.info("%s", message)
+        if progress.timed_out:
+            kopf.warn(body, reason="DrainTimeout", message=message)
+        else:
+            kopf.info(body, reason="ScaledIn", message=message)
+        patch.metadata.annotations[scaling.SCALE_IN_ANNOTATION] = None
+        return sts, None
+
+    async def _stats(self, members: Mapping[str, st.Member] | None) -> dict[str, dict[str, Any]]:
+        """Each registered node's ``/stats`` from its admin address; unreachable ones are left out."""
+        if not members or self.http is None:
+            return {}
+        http = self.http
+
+        async def fetch(member: st.Member) -> tuple[str, Any]:
+            url = member.admin_addr if "://" in member.admin_addr else f"http://{member.admin_addr}"
+            try:
+                async with http.get(f"{url.rstrip('/')}/stats") as resp:
+                    return member.node_id, (await resp.json() if resp.status == 200 else None)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                logger.debug("no /stats from %s at %s: %s", member.node_id, url, exc)
+                return member.node_id, None
+
+        got = await asyncio.gather(*(fetch(m) for m in members.values() if m.admin_addr))
+        return {node_id: stats for node_id, stats in got if isinstance(stats, dict)}
+
+    # ---- deletion ------------------------------------------------------------------------------
+
+    async def cleanup(self, name: str, namespace: str, spec: Mapping[str, Any], status: Mapping[str, Any],
+                      body: kopf.Body, retry: int, logger: logging.Logger, **_: Any) -> None:
+        try:
+            cs: ClusterSpec | None = parse(name, spec)
+        except SpecError:
+            cs = None
+        target = etcd_target(name, namespace, cs, status)
+        if target is None:
+            logger.info("no valid spec was ever applied: nothing of this cluster is in etcd")
+            return
+        try:
+            deleted = await self.etcd(target).delete_cluster()
+        except MembershipError as exc:
+            if retry < self.config.cleanup_retries:
+                raise kopf.TemporaryError(f"cannot remove the cluster's keys from etcd yet: {exc}",
+                                          delay=self.config.retry_delay) from exc
+            kopf.warn(body, reason="CleanupSkipped",
+                      message=f"gave up removing the keys of cluster {target[1]!r} from etcd after "
+                              f"{retry} tries ({exc}); remove the prefix /kvring/{target[1]}/ by hand")
+            return
+        finally:
+            await self.forget_etcd(target)
+        logger.info("removed %d keys of cluster %r from etcd", deleted, target[1])
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> CacheClusterHandlers:
+    """Register every handler of the operator on ``registry``; returns the handler object."""
+    h = CacheClusterHandlers(config)
+    resource = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    kopf.on.login(registry=registry)(h.login)
+    kopf.on.startup(registry=registry)(h.startup)
+    kopf.on.cleanup(registry=registry)(h.shutdown)
+    kopf.on.create(**resource, id="reconcile", backoff=config.retry_delay)(h.reconcile)
+    kopf.on.resume(**resource, id="reconcile", backoff=config.retry_delay)(h.reconcile)
+    kopf.on.update(**resource, id="reconcile", field="spec", backoff=config.retry_delay)(h.reconcile)
+    kopf.timer(**resource, id="observe", interval=config.status_interval)(h.observe)
+    kopf.on.delete(**resource, id="cleanup", backoff=config.retry_delay)(h.cleanup)
+    return h

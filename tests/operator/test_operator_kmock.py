@@ -1,0 +1,414 @@
+"""The real kopf operator, in-process, against a Kubernetes API emulator and a real etcd.
+
+No Kubernetes API server can run on the CI machines, so the API is kmock's emulator with the
+shim in ``kmock_shim`` (it says what it fixes).  Everything else is real: kopf runs the
+operator's handlers (``KopfRunner``, ``--standalone``, a fresh registry), etcd is the session's
+real server, and the scale-in scenario drains real ``kvring node`` processes.
+
+What the emulator does not do, the tests do themselves and say so where they do it: there is
+no StatefulSet controller (a test sets ``status.readyReplicas`` and starts or stops the node
+processes a StatefulSet would run), and no owner-reference garbage collection (children stay
+after their CacheCluster is deleted; a real cluster deletes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from typing import Any
+
+import kopf
+import numpy as np
+import pytest
+from crd_schema import load_crd
+from kmock_shim import EmulatorThread, KubeAPI, wait_for
+from kopf.testing import KopfRunner
+
+from kvring.cachenode import ClusterClient, Contract
+from kvring.cachenode.membership import Etcd, EtcdSettings, NodeRecord, Registrar
+from kvring.local import NodeProcess
+from kvring.operator.config import OperatorConfig
+from kvring.operator.handlers import register
+
+NS = "team-a"
+CC = "kvring.io/v1alpha1"
+MiB = 1 << 20
+FAST = dict(status_interval=0.3, etcd_timeout=1.0, stats_timeout=1.0, retry_delay=0.5)
+
+
+# ---- fixtures and helpers -------------------------------------------------------------------
+
+@pytest.fixture
+def kube(tmp_path, monkeypatch):
+    """The API emulator with the CacheCluster CRD's resource and the namespace ``team-a``."""
+    with EmulatorThread(tmp_path, [load_crd()]) as emu:
+        monkeypatch.setenv("KUBECONFIG", str(emu.kubeconfig()))
+        emu.api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
+        yield emu
+
+
+@contextlib.contextmanager
+def operator(*args: str, **config: Any):
+    """Run the real operator (all namespaces unless ``args`` say otherwise) until the block ends."""
+    registry = kopf.OperatorRegistry()
+    register(registry, OperatorConfig(**{**FAST, **config}))
+    with KopfRunner(["run", "--standalone", *(args or ("--all-namespaces",))], registry=registry,
+                    timeout=30) as runner:
+        yield runner
+    assert runner.exit_code == 0, runner.output[-4000:]
+
+
+def cc_path(name: str | None = None, sub: str | None = None, ns: str = NS) -> str:
+    return KubeAPI.path(CC, "cacheclusters", ns, name, sub)
+
+
+def path(api_version: str, plural: str, name: str, ns: str = NS) -> str:
+    return KubeAPI.path(api_version, plural, ns, name)
+
+
+def cachecluster(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": CC, "kind": "CacheCluster", "metadata": {"name": name, "namespace": NS},
+            "spec": {"memoryPerNode": "64Mi", **spec}}
+
+
+def condition(obj: dict | None, type_: str) -> dict:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or ():
+        if c["type"] == type_:
+            return c
+    return {}
+
+
+def cc_when(api: KubeAPI, name: str, pred, timeout: float = 15.0, what: str = "") -> dict:
+    """Poll the CacheCluster ``name`` until ``pred(obj)`` holds; return that version of it."""
+    def check():
+        obj = api.get(cc_path(name))
+        return obj if obj is not None and pred(obj) else None
+    return wait_for(check, timeout=timeout, what=what or f"{name}: {pred}")
+
+
+def cond_is(type_: str, **want: str):
+    """A predicate: the condition ``type_`` has the given fields (status=..., reason=...)."""
+    return lambda obj: all(condition(obj, type_).get(k) == v for k, v in want.items())
+
+
+def events_for(api: KubeAPI, name: str, ns: str = NS) -> list[dict]:
+    return [e for e in api.list(f"/api/v1/namespaces/{ns}/events")
+            if e.get("involvedObject", {}).get("name") == name]
+
+
+def children(api: KubeAPI, name: str) -> dict[str, dict | None]:
+    return {
+        "StatefulSet": api.get(path("apps/v1", "statefulsets", name)),
+        "Service": api.get(path("v1", "services", name)),
+        "Service nodes": api.get(path("v1", "services", f"{name}-nodes")),
+        "ConfigMap": api.get(path("v1", "configmaps", f"{name}-config")),
+        "PodDisruptionBudget": api.get(path("policy/v1", "poddisruptionbudgets", name)),
+    }
+
+
+def set_ready(api: KubeAPI, name: str, ready: int, replicas: int | None = None) -> None:
+    """Play the StatefulSet controller, which the emulator lacks: report pods ready."""
+    api.patch(path("apps/v1", "statefulsets", name) + "/status",
+              {"status": {"replicas": ready if replicas is None else replicas, "readyReplicas": ready}})
+
+
+def etcd_call(endpoint: str, cluster: str, fn):
+    """Run ``fn(etcd)`` on a fresh ``Etcd`` of ``cluster`` in a loop of its own (the test's thread)."""
+    async def main():
+        etcd = Etcd(EtcdSettings.parse(endpoint, cluster=cluster))
+        try:
+            return await fn(etcd)
+        finally:
+            await etcd.close()
+    return asyncio.run(main())
+
+
+def etcd_keys(endpoint: str, cluster: str) -> list[bytes]:
+    async def keys(etcd: Etcd):
+        return [kv.key for kv in await etcd.call(lambda c: c.get_prefix(etcd.settings.key("")))]
+    return etcd_call(endpoint, cluster, keys)
+
+
+def members(endpoint: str, cluster: str) -> dict[str, NodeRecord]:
+    async def read(etcd: Etcd):
+        return (await etcd.members())[0]
+    return etcd_call(endpoint, cluster, read)
+
+
+# ---- scenarios --------------------------------------------------------------------------------
+
+def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_nothing(kube, etcd_server):
+    api = kube.api
+    with operator():
+        cr = api.create(cc_path(), cachecluster("cache", replicas=3, etcd={"endpoints": [etcd_server.endpoint]}))
+        wait_for(lambda: all(children(api, "cache").values()), what="children")
+        objs = children(api, "cache")
+        for kind, obj in objs.items():
+            assert obj["metadata"]["ownerReferences"] == [{
+                "apiVersion": CC, "kind": "CacheCluster", "name": "cache", "uid": cr["metadata"]["uid"],
+                "controller": True, "blockOwnerDeletion": True}], kind
+        sts = objs["StatefulSet"]
+        assert sts["spec"]["replicas"] == 3
+        assert sts["spec"]["serviceName"] == "cache-nodes"
+        args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--cluster") + 1] == f"{NS}.cache"
+        assert args[args.index("--etcd") + 1] == etcd_server.endpoint
+        # The status carries the connector settings and a valid-spec condition.
+        cr = cc_when(api, "cache", lambda o: o.get("status", {}).get("connector"), what="status.connector")
+        assert f'"cluster":"{NS}.cache"' in cr["status"]["connector"]
+        assert condition(cr, "ConfigMismatch")["status"] == "False"
+        assert "kvring.io/cleanup" in cr["metadata"]["finalizers"]
+        versions = {k: o["metadata"]["resourceVersion"] for k, o in objs.items()}
+
+    # A restarted operator resumes the object: create-or-patch finds nothing to change.
+    with operator() as runner:
+        time.sleep(1.5)  # the resume handler and a few status passes
+        assert {k: o["metadata"]["resourceVersion"] for k, o in children(api, "cache").items()} == versions
+    assert "Resuming is processed: 1 succeeded" in runner.output
+
+
+def test_managed_etcd_is_created_and_the_connector_points_at_it(kube):
+    api = kube.api
+    with operator():
+        api.create(cc_path(), cachecluster("ha", replicas=2, etcd={"managed": {"members": 3}}))
+        etcd_sts = wait_for(lambda: api.get(path("apps/v1", "statefulsets", "ha-etcd")), what="etcd StatefulSet")
+        assert etcd_sts["spec"]["replicas"] == 3
+        for svc in ("ha-etcd", "ha-etcd-peer"):
+            obj = wait_for(lambda: api.get(path("v1", "services", svc)), what=svc)
+            assert obj["metadata"]["ownerReferences"][0]["name"] == "ha"
+        wait_for(lambda: all(children(api, "ha").values()), what="the node children too")
+        # Nothing answers at the managed etcd's address here: status says so, the operator goes on.
+        cr = cc_when(api, "ha", cond_is("Ready", reason="EtcdUnreachable"))
+        assert f'"etcd":"ha-etcd.{NS}.svc:2379"' in cr["status"]["connector"]
+        assert condition(cr, "Degraded")["status"] == "True"
+
+
+def test_replicas_change_is_followed(kube, etcd_server):
+    api = kube.api
+    with operator():
+        api.create(cc_path(), cachecluster("grow", replicas=2, etcd={"endpoints": [etcd_server.endpoint]}))
+        wait_for(lambda: (api.get(path("apps/v1", "statefulsets", "grow")) or {}).get("spec", {}).get("replicas") == 2,
+                 what="2 replicas")
+        api.patch(cc_path("grow"), {"spec": {"replicas": 5}})
+        wait_for(lambda: api.get(path("apps/v1", "statefulsets", "grow"))["spec"]["replicas"] == 5, what="5 replicas")
+        cr = cc_when(api, "grow", lambda o: o.get("status", {}).get("observedGeneration") == 2)
+        assert cr["metadata"]["generation"] == 2
+        assert "kvring.io/scale-in" not in cr["metadata"].get("annotations", {})
+
+
+def test_status_reports_pods_nodes_epoch_and_conditions(kube, etcd_server):
+    """Real nodes register in etcd; the test plays the StatefulSet controller for readiness."""
+    api = kube.api
+    cluster = f"{NS}.stat"
+    nodes = [NodeProcess(f"stat-{i}", 64 * MiB, etcd_server.endpoint, cluster, lease_ttl=3) for i in range(2)]
+    try:
+        for n in nodes:
+            n.start(wait=False)
+        for n in nodes:
+            n.wait_ready()
+        with operator():
+            api.create(cc_path(), cachecluster("stat", replicas=2, etcd={"endpoints": [etcd_server.endpoint]}))
+            cr = cc_when(api, "stat", cond_is("Ready", reason="PodsNotReady"))
+            assert condition(cr, "Degraded")["reason"] == "Starting"
+            set_ready(api, "stat", 2)
+            cr = cc_when(api, "stat", cond_is("Ready", status="True"))
+            st = cr["status"]
+            assert st["readyReplicas"] == 2 and st["replicas"] == 2 and st["observedGeneration"] == 1
+            assert st["selector"] == ("app.kubernetes.io/name=kvring,app.kubernetes.io/instance=stat,"
+                                      "app.kubernetes.io/component=cachenode")
+            assert [n["id"] for n in st["nodes"]] == ["stat-0", "stat-1"]
+            assert all(n["state"] == "active" and n["ready"] for n in st["nodes"])
+            assert all(n["capacityBytes"] == 64 * MiB and n["usedBytes"] == 0 for n in st["nodes"])
+            assert st["epoch"] > 0
+            assert condition(cr, "Degraded")["status"] == "False"
+            assert condition(cr, "Rebalancing")["status"] == "False"
+            ready_since = condition(cr, "Ready")["lastTransitionTime"]
+
+            # Bytes stored show up per node (from each node's admin /stats).
+            with ClusterClient(etcd_server.endpoint, cluster=cluster) as client:
+                assert client.wait_for_nodes(2)
+                assert client.put_many([(bytes([i]) * 16, np.full(MiB, i, np.uint8), [1, MiB], "uint8", 16)
+                                        for i in range(8)]) == [1] * 8
+            wait_for(lambda: sum(n.get("usedBytes", 0) for n in api.get(cc_path("stat"))["status"]["nodes"]) == 8 * MiB,
+                     what="usedBytes")
+
+            # A node that dies: its lease runs out, the cluster that was ready is now degraded.
+            nodes[1].kill()
+            cr = cc_when(api, "stat", cond_is("Degraded", status="True"), timeout=20)
+            assert condition(cr, "Degraded")["reason"] == "NodesUnavailable"
+            assert "stat-1 (missing)" in condition(cr, "Degraded")["message"]
+            assert condition(cr, "Ready")["status"] == "False"
+            assert condition(cr, "Ready")["lastTransitionTime"] >= ready_since
+            assert [n["state"] for n in cr["status"]["nodes"]] == ["active", "missing"]
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_scale_in_drains_the_leaving_nodes_before_the_statefulset_shrinks(kube, etcd_server):
+    """Four real nodes hold data; scaling to two drains stat-3 and stat-2 through etcd (the node's
+    own drain: hand off, then report ``drained``), and only then does the StatefulSet shrink.
+    The test plays the StatefulSet controller: it reports pods ready and stops the processes of
+    the pods the StatefulSet no longer has."""
+    api = kube.api
+    cluster = f"{NS}.shrink"
+    nodes = [NodeProcess(f"shrink-{i}", 64 * MiB, etcd_server.endpoint, cluster, lease_ttl=3) for i in range(4)]
+    keys = [i.to_bytes(2, "big") * 8 for i in range(64)]
+    try:
+        for n in nodes:
+            n.start(wait=False)
+        for n in nodes:
+            n.wait_ready()
+        with ClusterClient(etcd_server.endpoint, cluster=cluster) as client:
+            assert client.wait_for_nodes(4)
+            assert client.put_many([(k, np.full(64 << 10, i, np.uint8), [1, 64 << 10], "uint8", 16)
+                                    for i, k in enumerate(keys)]) == [1] * 64
+            on_leaving = sum(1 for k in keys if client.owners(k)[0] in ("shrink-2", "shrink-3"))
+        assert on_leaving > 0
+
+        with operator():
+            api.create(cc_path(), cachecluster("shrink", replicas=4, drainTimeoutSeconds=60,
+                                               etcd={"endpoints": [etcd_server.endpoint]}))
+            wait_for(lambda: api.get(path("apps/v1", "statefulsets", "shrink")), what="StatefulSet")
+            set_ready(api, "shrink", 4)
+            wait_for(lambda: condition(api.get(cc_path("shrink")), "Ready").get("status") == "True", what="Ready")
+
+            api.patch(cc_path("shrink"), {"spec": {"replicas": 2}})
+            # The StatefulSet keeps its four pods while the leaving nodes hand off.
+            cr = cc_when(api, "shrink", cond_is("Rebalancing", reason="ScaleIn"))
+            assert "shrink-3, shrink-2" in condition(cr, "Rebalancing")["message"]
+            assert api.get(path("apps/v1", "statefulsets", "shrink"))["spec"]["replicas"] == 4
+            assert "kvring.io/scale-in" in cr["metadata"]["annotations"]
+
+            wait_for(lambda: api.get(path("apps/v1", "statefulsets", "shrink"))["spec"]["replicas"] == 2,
+                     timeout=30, what="StatefulSet shrunk to 2")
+            # It shrank because both nodes reported drained, not because the timeout passed.
+            recs = members(etcd_server.endpoint, cluster)
+            assert {recs[n].state for n in ("shrink-2", "shrink-3") if n in recs} <= {"drained"}
+            reasons = [e["reason"] for e in events_for(api, "shrink")]
+            assert "ScaleIn" in reasons and "ScaledIn" in reasons and "DrainTimeout" not in reasons
+            # Every version of the StatefulSet before the shrink had all four pods.
+            history = [v for v in kube.emulator.objects["apps/v1/statefulsets", NS, "shrink"].history if v]
+            sizes = [v["spec"]["replicas"] for v in history]
+            assert sizes[-1] == 2 and set(sizes[:-1]) <= {4} and 4 in sizes
+
+            # The controller's part: the two pods go, the two that stay are ready.
+            nodes[3].stop()
+            nodes[2].stop()
+            set_ready(api, "shrink", 2)
+            cr = cc_when(api, "shrink", lambda o: cond_is("Ready", status="True")(o)
+                         and cond_is("Rebalancing", status="False")(o), what="settled")
+            assert [n["id"] for n in cr["status"]["nodes"]] == ["shrink-0", "shrink-1"]
+            assert "kvring.io/scale-in" not in cr["metadata"].get("annotations", {})
+
+        # Every chunk is still there, on the two nodes that stayed.
+        with ClusterClient(etcd_server.endpoint, cluster=cluster) as client:
+            assert client.wait_for_nodes(2, exact=True)
+            got = client.get(keys)
+            assert all(g is not None and int(g.data[0]) == i for i, g in enumerate(got))
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_scale_in_past_the_drain_timeout_resumes_after_an_operator_restart(kube, etcd_server):
+    """A node that never drains (a record the test keeps registered, like a hung process) holds
+    the StatefulSet only until drainTimeoutSeconds, counted from the first request even across
+    an operator restart."""
+    api = kube.api
+    cluster = f"{NS}.stuck"
+
+    async def hold(etcd: Etcd, stop: asyncio.Event):
+        rec = NodeRecord(node_id="stuck-1", data_addr="tcp://127.0.0.1:9", admin_addr="http://127.0.0.1:9",
+                         capacity=64 * MiB)
+        registrar = Registrar(etcd, rec, Contract(), ttl=5)
+        task = asyncio.ensure_future(registrar.run())
+        await stop.wait()
+        task.cancel()
+        await registrar.deregister()
+
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    holder = threading.Thread(target=lambda: loop.run_until_complete(
+        hold(Etcd(EtcdSettings.parse(etcd_server.endpoint, cluster=cluster)), stop)), daemon=True)
+    holder.start()
+    try:
+        wait_for(lambda: "stuck-1" in members(etcd_server.endpoint, cluster), what="stuck-1 registered")
+        with operator():
+            api.create(cc_path(), cachecluster("stuck", replicas=2, drainTimeoutSeconds=5,
+                                               etcd={"endpoints": [etcd_server.endpoint]}))
+            wait_for(lambda: api.get(path("apps/v1", "statefulsets", "stuck")), what="StatefulSet")
+            api.patch(cc_path("stuck"), {"spec": {"replicas": 1}})
+            annotation = wait_for(lambda: api.get(cc_path("stuck"))["metadata"].get("annotations", {})
+                                  .get("kvring.io/scale-in"), what="scale-in recorded")
+            started = json.loads(annotation)["started"]
+            assert etcd_call(etcd_server.endpoint, cluster, lambda e: e.drain_requests()) == {"stuck-1"}
+            time.sleep(max(0.0, started + 3 - time.time()))
+            assert api.get(path("apps/v1", "statefulsets", "stuck"))["spec"]["replicas"] == 2
+
+        with operator():  # a restart, 3 s into the 5 s drain timeout
+            wait_for(lambda: api.get(path("apps/v1", "statefulsets", "stuck"))["spec"]["replicas"] == 1,
+                     timeout=15, what="shrunk after the timeout")
+            shrunk = time.time()
+            warnings = wait_for(lambda: [e for e in events_for(api, "stuck") if e["reason"] == "DrainTimeout"],
+                                what="DrainTimeout event")
+            assert warnings[0]["type"] == "Warning"
+            assert "stuck-1 did not report drained in time" in warnings[0]["message"]
+        # Not before the timeout, and counted from the first request (a restarted clock would
+        # have held the StatefulSet until 3 + 5 s after it).
+        assert started + 5 <= shrunk < started + 7.5
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        holder.join(10)
+
+
+def test_invalid_spec_gets_a_condition_and_an_event_and_the_operator_serves_others(kube, etcd_server):
+    api = kube.api
+    with operator("--namespace", NS):
+        api.create(cc_path(), cachecluster("bad", replicas=2, replication=3, memoryPerNode="1Mi",
+                                           etcd={"endpoints": [etcd_server.endpoint]}))
+        api.create(cc_path(), cachecluster("good", replicas=1, etcd={"endpoints": [etcd_server.endpoint]}))
+        cr = cc_when(api, "bad", cond_is("ConfigMismatch", status="True"))
+        message = condition(cr, "ConfigMismatch")["message"]
+        assert "below the minimum of 64Mi" in message and "replication 3 exceeds spec.replicas 2" in message
+        assert (condition(cr, "Ready")["status"], condition(cr, "Ready")["reason"]) == ("False", "InvalidSpec")
+        warning = wait_for(lambda: [e for e in events_for(api, "bad") if e["reason"] == "InvalidSpec"], what="event")
+        assert warning[0]["type"] == "Warning" and "64Mi" in warning[0]["message"]
+        # The other CacheCluster is served; the invalid one got no children.
+        wait_for(lambda: all(children(api, "good").values()), what="good's children")
+        assert not any(children(api, "bad").values())
+        time.sleep(1.0)  # several timer passes: no crash loop, no retry storm
+        assert len([e for e in events_for(api, "bad") if e["reason"] == "InvalidSpec"]) == 1
+
+        # Fixing the spec clears the condition and creates the cluster.
+        api.patch(cc_path("bad"), {"spec": {"memoryPerNode": "128Mi", "replication": 2}})
+        wait_for(lambda: all(children(api, "bad").values()), what="bad's children after the fix")
+        wait_for(lambda: condition(api.get(cc_path("bad")), "ConfigMismatch").get("status") == "False",
+                 what="ConfigMismatch cleared")
+
+
+def test_deletion_removes_the_clusters_etcd_keys_and_releases_the_finalizer(kube, etcd_server):
+    """Children are left to owner-reference garbage collection, which the emulator does not do:
+    here they stay behind; in a cluster they go with their owner."""
+    api = kube.api
+    mine, other = f"{NS}.doomed", f"{NS}.neighbour"
+
+    async def seed(etcd: Etcd):
+        await etcd.ensure_contract(Contract())
+        await etcd.request_drain("doomed-7")  # an ordinal the operator leaves alone
+
+    with operator():
+        api.create(cc_path(), cachecluster("doomed", replicas=2, etcd={"endpoints": [etcd_server.endpoint]}))
+        wait_for(lambda: "kvring.io/cleanup" in api.get(cc_path("doomed"))["metadata"].get("finalizers", []),
+                 what="finalizer")
+        etcd_call(etcd_server.endpoint, mine, seed)
+        etcd_call(etcd_server.endpoint, other, seed)
+        assert len(etcd_keys(etcd_server.endpoint, mine)) == 2
+        api.delete(cc_path("doomed"))
+        wait_for(lambda: api.get(cc_path("doomed")) is None, what="CacheCluster gone")
+        assert etcd_keys(etcd_server.endpoint, mine) == []
+        assert len(etcd_keys(etcd_server.endpoint, other)) == 2  # another cluster's keys stay
+        assert all(children(api, "doomed").values())  # no GC in the emulator (see the docstring)
