@@ -17,6 +17,9 @@ from .spec import ClusterSpec
 
 CONFIG_HASH_ANNOTATION = "kvring.io/config-hash"
 TRANSFER_CONFIG_KEY = "kv-transfer-config"
+# Names the Secret holding this cluster's admin API token; the nodes do not use it, so changing
+# it does not roll them (it is left out of the config hash).
+ADMIN_SECRET_KEY = "admin-token-secret"
 
 
 def connector_config(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
@@ -39,16 +42,21 @@ def connector_json(name: str, namespace: str, spec: ClusterSpec) -> str:
 
 
 def config_data(name: str, namespace: str, spec: ClusterSpec) -> dict[str, str]:
-    """The ConfigMap's data: connector settings, etcd, cluster name and hashing contract."""
+    """The ConfigMap's data: connector settings, etcd, cluster name, hashing contract, and the
+    Secret with the admin API token (for an admin API deployment of this cluster to read)."""
     contract = {"chunk_size": spec.chunk_size, "vnodes": spec.vnodes, "replication": spec.replication}
-    return {
+    data = {
         TRANSFER_CONFIG_KEY: connector_json(name, namespace, spec),
         "etcd": ",".join(etcd_endpoints(name, namespace, spec)),
         "cluster": cluster_key(name, namespace),
         "contract.json": json.dumps(contract, sort_keys=True),
     }
+    if spec.auth_secret:
+        data[ADMIN_SECRET_KEY] = spec.auth_secret
+    return data
 
 
 def config_hash(data: dict[str, str]) -> str:
-    """A short, stable digest of ConfigMap data."""
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    """A short, stable digest of the ConfigMap data the nodes run with."""
+    node_facing = {k: v for k, v in data.items() if k != ADMIN_SECRET_KEY}
+    return hashlib.sha256(json.dumps(node_facing, sort_keys=True).encode()).hexdigest()[:16]

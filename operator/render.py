@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .contract import CONFIG_HASH_ANNOTATION, TRANSFER_CONFIG_KEY, config_data, config_hash, connector_config, \
-    connector_json
+from .contract import ADMIN_SECRET_KEY, CONFIG_HASH_ANNOTATION, TRANSFER_CONFIG_KEY, config_data, config_hash, \
+    connector_config, connector_json
 from .naming import cluster_key, etcd_endpoints, labels, node_id, nodes_service, selector, selector_labels
 from .render_etcd import render_etcd
 from .render_nodes import node_resources, pod_memory, render_client_service, render_configmap, \
@@ -17,7 +17,7 @@ from .render_nodes import node_resources, pod_memory, render_client_service, ren
 from .spec import ClusterSpec, check_name
 
 __all__ = [
-    "CONFIG_HASH_ANNOTATION", "TRANSFER_CONFIG_KEY", "cluster_key", "config_data", "config_hash",
+    "ADMIN_SECRET_KEY", "CONFIG_HASH_ANNOTATION", "TRANSFER_CONFIG_KEY", "cluster_key", "config_data", "config_hash",
     "connector_config", "connector_json", "etcd_endpoints", "labels", "node_id", "node_resources",
     "nodes_service", "pod_memory", "render_children", "render_client_service", "render_configmap",
     "render_etcd", "render_headless_service", "render_pdb", "render_statefulset", "selector",

@@ -64,15 +64,10 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
     ]
 
 
-def _env(spec: ClusterSpec) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-    ]
-    if spec.auth_secret:
-        env.append({"name": "KVRING_ADMIN_TOKEN",
-                    "valueFrom": {"secretKeyRef": {"name": spec.auth_secret, "key": "token"}}})
-    return env
+ENV = [
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+]
 
 
 def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
@@ -88,7 +83,7 @@ def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(ENTRY),
         "args": node_args(name, namespace, spec),
-        "env": _env(spec),
+        "env": copy.deepcopy(ENV),
         "ports": [{"name": "data", "containerPort": spec.data_port, "protocol": "TCP"},
                   {"name": "admin", "containerPort": spec.admin_port, "protocol": "TCP"}],
         # Ready = registered in etcd and not draining; alive = the process answers.

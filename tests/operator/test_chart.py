@@ -34,7 +34,10 @@ SCENARIOS = {
     "etcd-3": ["--set", "etcd.enabled=true", "--set", "etcd.members=3", "--set", "etcd.storageClassName=ssd"],
     "cachecluster": ["--set", "cacheCluster.enabled=true"],
     "vllm": ["--set", "cacheCluster.enabled=true", "--set", "vllm.enabled=true"],
+    "admin": ["--set", "cacheCluster.enabled=true", "--set", "admin.enabled=true",
+              "--set", "cacheCluster.spec.authSecret=kv-admin"],
     "everything": ["--set", "etcd.enabled=true", "--set", "cacheCluster.enabled=true", "--set", "vllm.enabled=true",
+                   "--set", "admin.enabled=true",
                    "--set", "cacheCluster.spec.replication=2", "--set", "operator.extraArgs={--verbose}"],
     "no-operator": ["--set", "operator.enabled=false", "--set", "cacheCluster.enabled=true"],
 }
@@ -187,8 +190,29 @@ def test_vllm_reads_the_connector_settings_of_its_cachecluster():
     assert json.loads(configmap["data"][ref["key"]])["kv_connector"] == "KVRingConnector"
 
 
+def test_admin_api_reads_its_cachecluster_and_token():
+    docs = by_kind(template(*SCENARIOS["admin"]))
+    (container,) = docs[("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["admin", "--etcd", "$(KVRING_ETCD)", "--cluster", "$(KVRING_CLUSTER)",
+                                 "--host", "0.0.0.0", "--port", "8000"]
+    env = {e["name"]: e["valueFrom"] for e in container["env"]}
+    spec = ClusterSpec.from_dict(docs[("CacheCluster", "kv-cache")]["spec"])
+    (configmap,) = [o for o in render_children("kv-cache", NAMESPACE, spec) if o["kind"] == "ConfigMap"]
+    for var, key in (("KVRING_ETCD", "etcd"), ("KVRING_CLUSTER", "cluster")):
+        assert env[var] == {"configMapKeyRef": {"name": configmap["metadata"]["name"], "key": key}}
+        assert configmap["data"][key]
+    assert env["KVRING_ADMIN_TOKEN"] == {"secretKeyRef": {"name": "kv-admin", "key": "token"}}
+    assert configmap["data"]["admin-token-secret"] == "kv-admin"
+    assert docs[("Service", "kv-kvring-admin")]["spec"]["ports"][0]["port"] == 8000
+    # Without a token Secret the mutating endpoints are off, and no Secret is referenced.
+    (bare,) = by_kind(template("--set", "cacheCluster.enabled=true", "--set", "admin.enabled=true"))[
+        ("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]["containers"]
+    assert "KVRING_ADMIN_TOKEN" not in {e["name"] for e in bare["env"]}
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--set", "vllm.enabled=true"], "vllm.enabled needs a CacheCluster"),
+    (["--set", "admin.enabled=true"], "admin.enabled needs a CacheCluster"),
     (["--set", "etcd.enabled=true", "--set", "etcd.members=2"], "etcd.members must be 1 or 3, got 2"),
 ])
 def test_impossible_values_fail_with_a_message(args, says):

@@ -116,9 +116,8 @@ FIELDS = [
     pytest.param({"etcd": {"managed": {"image": "registry.k8s.io/etcd:3.5.21-0"}}},
                  lambda c: etcd_sts(c)["spec"]["template"]["spec"]["containers"][0]["image"],
                  "registry.k8s.io/etcd:3.5.21-0", id="etcd.managed.image"),
-    pytest.param({"authSecret": "kv-admin"},
-                 lambda c: next((e["valueFrom"] for e in ctr(c)["env"] if e["name"] == "KVRING_ADMIN_TOKEN"), None),
-                 {"secretKeyRef": {"name": "kv-admin", "key": "token"}}, id="authSecret"),
+    pytest.param({"authSecret": "kv-admin"}, lambda c: c[("ConfigMap", "kv-config")]["data"].get("admin-token-secret"),
+                 "kv-admin", id="authSecret"),
     pytest.param({"ports": {"data": 6000}},
                  lambda c: (arg(c, "--data-port"), port(ctr(c), "data"), port(c[("Service", "kv-nodes")], "data"),
                             port(c[("Service", "kv")], "data")),
@@ -299,6 +298,7 @@ def test_config_hash_rolls_nodes_when_the_contract_changes():
     base = stamp()
     assert len(base) == 16 and base == stamp()
     assert stamp(replicas=7) == base  # scaling is not a config change
+    assert stamp(authSecret="kv-admin") == base  # the nodes do not use the admin token
     assert len({base, stamp(chunkSize=128), stamp(virtualNodes=8), stamp(replication=2),
                 stamp(etcd={"endpoints": ["e:2379"]})}) == 5
 
