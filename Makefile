@@ -1,13 +1,13 @@
-# kvring: `make demo` runs a local cluster with a short workload; `make test` runs the tests.
+# kvring: `make demo` runs two vLLM instances sharing prefixes through a local cluster; `make test` runs the tests.
 # Both set up what they need first (scripts/setup.sh: etcd, redis, .venv).
 
-.PHONY: setup demo up test bench trace clean
+.PHONY: setup demo up test bench bench-e2e trace clean
 
 setup:
 	@scripts/setup.sh
 
 demo: setup
-	.venv/bin/kvring up --nodes 3 --memory 1GiB --demo
+	.venv/bin/kvring demo --plot out/demo.png
 
 up: setup
 	.venv/bin/kvring up --nodes 3 --memory 1GiB
@@ -17,6 +17,9 @@ test: setup
 
 bench: setup
 	.venv/bin/kvring bench data-plane --json out/bench-data-plane.json --plot out/bench-data-plane.png
+
+bench-e2e: setup
+	.venv/bin/kvring bench e2e --json out/bench-e2e.json --plot out/bench-e2e.png
 
 trace: setup
 	.venv/bin/kvring trace ../shared/traces/conversation_trace.jsonl --json out/trace.json --plot out/trace.png

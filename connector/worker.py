@@ -6,6 +6,9 @@ view (blocks, KV heads, block size, K|V channels); slot ``s`` lives at
 layer-major as ``[layers, chunk_size, H, C]``, so one layer of one chunk is a contiguous
 ``[chunk_size, H, C]`` slice.
 
+The copies themselves (host staging, scatter, gather; pinned buffers and a side stream on
+CUDA) are in ``copies.py``.
+
 Nothing here raises into vLLM: a load that fails reports the block ids it should have filled
 (``get_block_ids_with_load_errors``) so vLLM recomputes them; a failed save is logged, counted
 and dropped.
@@ -25,6 +28,7 @@ import torch
 from kvring.cachenode import ClusterClient
 
 from .config import ConnectorConfig
+from .copies import copies_for
 from .metadata import KVRingMetadata, ReqMeta
 
 logger = logging.getLogger(__name__)
@@ -69,6 +73,7 @@ class _LoadJob:
                 if got[layer].all():
                     if layer == 0:
                         self.first_layer_s = time.perf_counter() - self.started
+                    w.copies.layer_loaded(layer)
                     self.layer_done[layer].set()
         except Exception:
             logger.exception("kvring load failed; the affected blocks will be recomputed")
@@ -76,6 +81,7 @@ class _LoadJob:
         for i, meta in enumerate(found):
             if meta is None or not got[:, i].all():
                 self._fail(i)
+        w.copies.layer_loaded(-1)
         self.seconds = time.perf_counter() - self.started
         for event in self.layer_done:
             event.set()
@@ -94,13 +100,10 @@ class _LoadJob:
         if hi <= lo:
             return
         # One copy out of the (read-only) socket frame, then a scatter through the slot mapping.
-        raw = torch.from_numpy(np.frombuffer(view, dtype=np.uint8).copy())
-        src = raw.view(w.dtype).view(-1, *w.token_shape)  # a partial last chunk has fewer rows
+        src = w.copies.stage(view).view(w.dtype).view(-1, *w.token_shape)  # a partial chunk has fewer rows
         if src.shape[0] < hi - first:
             raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {hi - first}")
-        src = src[lo - first:hi - first]
-        slots = torch.from_numpy(req.slot_mapping[lo:hi])
-        w.kv_caches[w.layer_names[layer]][slots // w.block_size, :, slots % w.block_size] = src
+        w.copies.scatter(w.kv_caches[w.layer_names[layer]], req.slot_mapping[lo:hi], src[lo - first:hi - first])
 
     def _fail(self, i: int) -> None:
         req, _, lo, hi = self._tokens(i)
@@ -134,6 +137,7 @@ class WorkerSide:
         self.layer_names = list(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
         first = kv_caches[self.layer_names[0]]
+        self.copies = copies_for(first, self.block_size)
         self.dtype = first.dtype
         self.dtype_name = _TORCH_DTYPES.get(first.dtype, str(first.dtype).removeprefix("torch."))
         self.token_shape = tuple(first.shape[1:2]) + tuple(first.shape[3:])  # (H, C)
@@ -147,6 +151,7 @@ class WorkerSide:
         loads = [r for r in meta.requests if r.load is not None and r.load.keys]
         if not loads:
             return
+        self.copies.reset()
         job = _LoadJob(self, loads)
         self._load = job
         if self.config.load_mode == "bulk":
@@ -161,6 +166,7 @@ class WorkerSide:
         if job is None:
             return
         job.wait(self._layer_index[layer_name])
+        self.copies.before_layer(self._layer_index[layer_name])
         if self._layer_index[layer_name] == len(self.layer_names) - 1 and self._load_thread is not None:
             self._load_thread.join()
             self._failed |= job.failed_blocks
@@ -199,17 +205,16 @@ class WorkerSide:
             bufs = self._saves.get(req.req_id)
             if bufs is None:  # one layer-major buffer per chunk; only the last may be partial
                 bufs = self._saves[req.req_id] = [
-                    torch.empty((len(self.layer_names), min(self.chunk, save.end - save.start - i * self.chunk),
-                                 *self.token_shape), dtype=self.dtype) for i in range(len(save.keys))]
-            slots = torch.from_numpy(req.slot_mapping[save.start:save.end])
-            gathered = kv_layer[slots // self.block_size, :, slots % self.block_size]
-            for i, buf in enumerate(bufs):
-                buf[layer] = gathered[i * self.chunk:i * self.chunk + buf.shape[1]]
+                    self.copies.new_save_buffer(
+                        (len(self.layer_names), min(self.chunk, save.end - save.start - i * self.chunk),
+                         *self.token_shape), self.dtype) for i in range(len(save.keys))]
+            self.copies.gather_into(kv_layer, req.slot_mapping[save.start:save.end], bufs, layer)
             if layer == len(self.layer_names) - 1:
-                self._saver.submit(self._put, save.keys, self._saves.pop(req.req_id))
+                self._saver.submit(self._put, save.keys, self._saves.pop(req.req_id), self.copies.saved())
 
-    def _put(self, keys: list[bytes], bufs: list[torch.Tensor]) -> None:
+    def _put(self, keys: list[bytes], bufs: list[torch.Tensor], copied=None) -> None:
         try:
+            self.copies.wait_saved(copied)  # on CUDA: the device-to-host copies have landed
             items = [(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1])
                      for key, buf in zip(keys, bufs)]
             stored = self.client.put_many(items)

@@ -32,7 +32,8 @@ def workload(prefix_tokens: int, suffix_tokens: int, count: int, seed: int = 0) 
 
 
 def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suffix_tokens: int = 1024,
-             prompts: int = 3, mode: str = "layerwise", plot: Path | None = None) -> dict:
+             prompts: int = 3, mode: str = "layerwise", plot: Path | None = None,
+             json_out: Path | None = None) -> dict:
     console = Console()
     tmp = Path(tempfile.mkdtemp(prefix="kvring-demo-"))
     items = workload(prefix_tokens, suffix_tokens, prompts)
@@ -56,7 +57,7 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
     rows = []
     for i, p in enumerate(items):
         ra, rb, rc = a["results"][i], b["results"][i], c["results"][i]
-        rows.append({"prompt": i, "tokens": len(p), "loaded_by_b": rb["cached"], "ttft_a": ra["ttft"],
+        rows.append({"prompt": i, "tokens": len(p), "loaded_by_a": ra["cached"], "loaded_by_b": rb["cached"], "ttft_a": ra["ttft"],
                      "ttft_b": rb["ttft"], "ttft_recompute": rc["ttft"],
                      "identical": ra["tokens"] == rb["tokens"],
                      "same_as_recompute": next((k for k, (x, y) in enumerate(zip(rb["tokens"], rc["tokens"])) if x != y),
@@ -73,7 +74,7 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
                       f"first {r['same_as_recompute']} tokens")
     console.print(table)
     results = {"layers": layers, "hidden": hidden, "mode": mode, "rows": rows}
-    write_outputs(console, results, None, plot, _plot)
+    write_outputs(console, results, json_out, plot, _plot)
     return results
 
 

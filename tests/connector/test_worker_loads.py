@@ -17,9 +17,13 @@ from kvring.connector.worker import WorkerSide
 CHUNK, BLOCK, HEADS, CH, LAYERS, BLOCKS = 32, 16, 2, 8, 3, 64
 
 
-def _caches(seed: int) -> dict[str, torch.Tensor]:
+# The CUDA path (pinned staging, side stream, events) runs only where a GPU is present.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+def _caches(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"layer.{i}": torch.randn(BLOCKS, HEADS, BLOCK, CH, generator=g).to(torch.bfloat16)
+    return {f"layer.{i}": torch.randn(BLOCKS, HEADS, BLOCK, CH, generator=g).to(torch.bfloat16).to(device)
             for i in range(LAYERS)}
 
 
@@ -33,13 +37,14 @@ def _slots(block_ids: list[int], n: int) -> np.ndarray:
     return np.asarray(block_ids)[t // BLOCK] * BLOCK + t % BLOCK
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["layerwise", "bulk"])
-def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluster_factory, mode):
+def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluster_factory, mode, device):
     cluster = cluster_factory(nodes=2, memory=64 << 20)
     keys = [bytes([i]) * 16 for i in range(4)]
     src_blocks = list(range(8, 16))  # 4 chunks x 2 blocks
     saver = _worker(cluster, mode)
-    saver.register_kv_caches(_caches(1))
+    saver.register_kv_caches(_caches(1, device))
     meta = KVRingMetadata([ReqMeta("a", _slots(src_blocks, 4 * CHUNK), src_blocks,
                                    save=SaveSpec(keys, 0, 4 * CHUNK))])
     for name in saver.layer_names:
@@ -48,7 +53,7 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
     assert saver.chunks_saved == 4
 
     loader = _worker(cluster, mode)
-    loader.register_kv_caches(_caches(2))
+    loader.register_kv_caches(_caches(2, device))
     before = {n: t.clone() for n, t in loader.kv_caches.items()}
     assert loader.client.delete([keys[2]]) == 1  # evicted between lookup and load
     dst_blocks = list(range(30, 38))
@@ -61,7 +66,7 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
 
     src_slots, dst_slots = _slots(src_blocks, 4 * CHUNK), _slots(dst_blocks, 4 * CHUNK)
     for name in loader.layer_names:
-        src, dst, old = saver.kv_caches[name], loader.kv_caches[name], before[name]
+        src, dst, old = (t[name].cpu() for t in (saver.kv_caches, loader.kv_caches, before))
         for t in range(4 * CHUNK):
             got = dst[dst_slots[t] // BLOCK, :, dst_slots[t] % BLOCK]
             if CHUNK // 2 <= t < 4 * CHUNK - 1 and not 2 * CHUNK <= t < 3 * CHUNK:
