@@ -7,6 +7,7 @@ validated), and the schema's defaults, applied as the API server would, change n
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -27,6 +28,78 @@ def test_constants_match_the_crd():
     assert crd["spec"]["names"]["kind"] == spec_mod.KIND
     assert crd["spec"]["names"]["shortNames"] == spec_mod.SHORT_NAMES
     assert [v["name"] for v in crd["spec"]["versions"]] == [spec_mod.VERSION]
+
+
+def structural_problems(node: dict, path: str = "") -> list[str]:
+    """What the API server would refuse in a CRD schema that is not structural (the rules of
+    "Specifying a structural schema"): every field typed, unless int-or-string or
+    preserve-unknown-fields; anyOf/allOf/oneOf/not only for value checks; additionalProperties
+    never beside properties; list-map keys required."""
+    problems = []
+    int_or_string = node.get("x-kubernetes-int-or-string")
+    if "type" not in node and not int_or_string and not node.get("x-kubernetes-preserve-unknown-fields"):
+        problems.append(f"{path or '<root>'}: no type")
+    if "properties" in node and "additionalProperties" in node:
+        problems.append(f"{path}: both properties and additionalProperties")
+    for key in ("anyOf", "allOf", "oneOf"):
+        for sub in node.get(key, []):
+            banned = {"description", "default", "additionalProperties", "nullable"} & set(sub)
+            if "type" in sub and not int_or_string:
+                banned.add("type")
+            if banned:
+                problems.append(f"{path}.{key}: {sorted(banned)} inside a logical junctor")
+    if node.get("x-kubernetes-list-type") == "map":
+        missing = set(node["x-kubernetes-list-map-keys"]) - set(node["items"].get("required", []))
+        if missing:
+            problems.append(f"{path}: list-map keys {sorted(missing)} not required")
+    for name, sub in node.get("properties", {}).items():
+        problems += structural_problems(sub, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            problems += structural_problems(node[key], f"{path}[{key}]")
+    return problems
+
+
+def test_crd_schema_is_structural():
+    schema = openapi_schema()
+    assert structural_problems(schema) == []
+    broken = copy.deepcopy(schema)
+    del broken["properties"]["spec"]["properties"]["replicas"]["type"]
+    broken["properties"]["spec"]["properties"]["nodeSelector"]["properties"] = {"a": {"type": "string"}}
+    assert sorted(structural_problems(broken)) == [".spec.nodeSelector: both properties and additionalProperties",
+                                                   ".spec.replicas: no type"]
+    # metadata may only restrict name and generateName.
+    assert set(schema["properties"]["metadata"]["properties"]) <= {"name", "generateName"}
+
+
+def test_crd_subresources_and_columns():
+    (version,) = load_crd()["spec"]["versions"]
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == ".status.readyReplicas" and columns["Desired"] == ".spec.replicas"
+    assert columns["Epoch"] == ".status.epoch" and columns["Memory"] == ".spec.memoryPerNode"
+    assert columns["Age"] == ".metadata.creationTimestamp"
+    status = openapi_schema()["properties"]["status"]["properties"]
+    assert status["conditions"]["items"]["properties"]["type"]["enum"] == ["Ready", "Degraded", "Rebalancing",
+                                                                         "ConfigMismatch"]
+    assert status["connector"]["type"] == "string"
+
+
+def test_status_as_the_operator_writes_it_validates():
+    cr = {"apiVersion": "kvring.io/v1alpha1", "kind": "CacheCluster", "metadata": {"name": "kv"},
+          "spec": {"memoryPerNode": "1Gi"},
+          "status": {"observedGeneration": 2, "replicas": 3, "readyReplicas": 3, "epoch": 812,
+                     "selector": "app.kubernetes.io/name=kvring,app.kubernetes.io/instance=kv",
+                     "nodes": [{"id": "kv-0", "state": "active", "ready": True, "usedBytes": 1024,
+                                "capacityBytes": 1 << 30}],
+                     "conditions": [{"type": "Ready", "status": "True", "reason": "AllNodesReady", "message": "3/3",
+                                     "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": 2}],
+                     "connector": '{"kv_connector":"KVRingConnector"}'}}
+    assert schema_errors(cr) == []
+    cr["status"]["conditions"][0]["type"] = "Happy"
+    assert any("'Happy' is not one of" in e for e in schema_errors(cr))
 
 
 def test_every_schema_field_is_read():
