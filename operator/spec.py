@@ -11,6 +11,7 @@ listed in one ``SpecError``, each saying what to set instead.
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,8 +151,7 @@ class _Reader:
         }
         values["memory_per_node_raw"], values["memory_per_node"] = self._memory(s)
         values["data_port"], values["admin_port"] = self._ports(s.get("ports"))
-        if isinstance(values["replication"], int) and isinstance(values["replicas"], int) \
-                and 0 < values["replicas"] < values["replication"]:
+        if 0 < values["replicas"] < values["replication"]:  # 0: scaled to zero, nothing to place
             self.problems.append(f"spec.replication {values['replication']} exceeds spec.replicas "
                                  f"{values['replicas']}: every chunk needs that many distinct nodes; "
                                  "raise replicas or lower replication")
@@ -162,8 +162,10 @@ class _Reader:
     # -- scalars ---------------------------------------------------------------------------------
 
     def _unknown(self, obj: dict, known: tuple[str, ...], where: str) -> None:
-        for key in sorted(set(obj) - set(known)):
-            self.problems.append(f"{where}.{key} is not a known field; known: {', '.join(known)}")
+        for key in sorted(set(obj) - set(known), key=str):
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
+            self.problems.append(f"{where}.{key} is not a known field; {hint}")
 
     def _int(self, obj: dict, key: str, default: int, lo: int, hi: int, where: str = "spec") -> int:
         value = obj.get(key, default)

@@ -169,7 +169,7 @@ def test_children_in_apply_order():
                        ("PodDisruptionBudget", "kv"), ("StatefulSet", "kv")]
     external = render_children("kv", "ns", spec_of(etcd={"endpoints": ["e:2379"]}))
     assert [o["metadata"]["name"] for o in external] == ["kv-config", "kv-nodes", "kv", "kv", "kv"]
-    for obj in managed and render_children("kv", "ns", spec_of()):
+    for obj in render_children("kv", "ns", spec_of()):
         assert obj["metadata"]["namespace"] == "ns"
         assert "ownerReferences" not in obj["metadata"]  # the handlers adopt them
 

@@ -182,7 +182,7 @@ INVALID_EXPECTED = {
                                 "topologySpreadConstraints[0].topologyKey is required"),
     "toleration-operator.yaml": ("spec.tolerations.0.operator", "'Maybe' is not one of",
                                  "tolerations[0].operator must be one of Exists, Equal"),
-    "unknown-field.yaml": ("spec", "('replica' was unexpected)", "spec.replica is not a known field"),
+    "unknown-field.yaml": ("spec", "('replica' was unexpected)", "spec.replica is not a known field; did you mean replicas?"),
     "vnodes-zero.yaml": ("spec.virtualNodes", "0 is less than the minimum of 1", "virtualNodes must be between 1 and 65536"),
     "zero-replication.yaml": ("spec.replication", "0 is less than the minimum of 1", "replication must be between 1 and 16"),
 }
@@ -240,7 +240,7 @@ def test_specs_only_the_operator_can_refuse(name):
     ({"memoryPerNode": "1Gi", "nodeSelector": {"disk": 1}}, "spec.nodeSelector must map label names to string"),
     ({"memoryPerNode": "1Gi", "tolerations": "all"}, "spec.tolerations must be a list of objects"),
     ({"memoryPerNode": "1Gi", "affinity": []}, "spec.affinity must be an object"),
-    ({"memoryPerNode": "1Gi", "resources": {"cpu": 1}}, "spec.resources.cpu is not a known field"),
+    ({"memoryPerNode": "1Gi", "resources": {"cpu": 1}}, "spec.resources.cpu is not a known field; known: requests, limits"),
     ({"memoryPerNode": "1Gi", "ports": 5555}, "spec.ports must be an object"),
 ])
 def test_bad_specs_say_what_to_set(spec, says):
