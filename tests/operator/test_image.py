@@ -13,10 +13,11 @@ import subprocess
 import tomllib
 
 import pytest
-from crd_schema import ROOT
+import yaml
+from crd_schema import ROOT, schema_errors
 
 from kvring.operator.render_nodes import ENTRY, RUN_AS
-from kvring.operator.spec import DEFAULT_IMAGE
+from kvring.operator.spec import DEFAULT_IMAGE, ClusterSpec
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 KIND_UP = ROOT / "scripts" / "kind-up.sh"
@@ -41,6 +42,14 @@ def test_kind_script_uses_the_default_image_and_is_valid_bash():
     assert f"IMAGE=${{IMAGE:-{DEFAULT_IMAGE}}}" in text
     assert "jsonpath='{.status.connector}'" in text
     subprocess.run(["bash", "-n", str(KIND_UP)], check=True)
+
+
+def test_kind_script_cachecluster_is_valid():
+    text = KIND_UP.read_text()
+    manifest = text[text.index("<<YAML\n") + len("<<YAML\n"):text.index("\nYAML\n")]
+    cr = yaml.safe_load(manifest.replace("$IMAGE", DEFAULT_IMAGE))
+    assert schema_errors(cr) == []
+    assert ClusterSpec.from_dict(cr["spec"]).image_pull_policy == "Never"  # loaded by kind, never pulled
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
