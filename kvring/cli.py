@@ -81,14 +81,21 @@ def up(
     cluster: ClusterOpt = "default",
     replication: Annotated[int, typer.Option(help="Owners per chunk.", min=1)] = 1,
     demo: Annotated[bool, typer.Option("--demo", help="Run a short workload, then stop.")] = False,
+    admin: Annotated[bool, typer.Option(help="Also serve the admin API on loopback.")] = True,
+    admin_port: Annotated[int, typer.Option(help="Admin API port (0: any free port).")] = 0,
 ) -> None:
-    """Start a local cluster (etcd + N nodes on loopback) and keep it up until Ctrl-C/SIGTERM."""
+    """Start a local cluster (etcd + N nodes + the admin API on loopback) until Ctrl-C/SIGTERM."""
+    import os
+    import secrets
+
     from kvring.cachenode.membership import Contract
     from kvring.local import LocalCluster
 
     contract = Contract(replication=replication)
+    # The admin token: KVRING_ADMIN_TOKEN if set, else a fresh one printed below.
+    token = os.environ.get("KVRING_ADMIN_TOKEN") or secrets.token_hex(16)
     cluster_ = LocalCluster(nodes=nodes, memory=_size(memory, "--memory"), etcd=etcd, cluster=cluster,
-                            contract=contract)
+                            contract=contract, admin=admin, admin_port=admin_port, admin_token=token)
     stop = {"now": False}
 
     def on_signal(*_):
@@ -112,6 +119,9 @@ def up(
         typer.echo(f"  vllm serve MODEL --kv-transfer-config '{transfer}'")
         typer.echo(f"  (or KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster} with an empty kv_connector_extra_config)")
         typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
+        if cluster_.admin is not None:
+            typer.echo(f"Admin API: {cluster_.admin.url} (docs {cluster_.admin.url}/docs); drain and flush need "
+                       f"'Authorization: Bearer {token}'")
         if demo:
             from kvring.workload import demo_workload
             demo_workload(cluster_.etcd, cluster, echo=typer.echo)
@@ -269,6 +279,37 @@ def operator(
     _logging(verbose)
     run(OperatorConfig(namespaces=tuple(namespace or ()), status_interval=status_interval,
                        etcd_timeout=etcd_timeout, liveness_endpoint=liveness), verbose=verbose)
+
+
+@app.command()
+def admin(
+    etcd: EtcdOpt,
+    cluster: ClusterOpt = "default",
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 inside a pod).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
+    token: Annotated[str | None, typer.Option(
+        "--token", envvar="KVRING_ADMIN_TOKEN", show_default=False,
+        help="Bearer token for drain and flush (prefer the KVRING_ADMIN_TOKEN variable: a command line is "
+             "visible to other users). Without one those endpoints are off.")] = None,
+    node_timeout: Annotated[float, typer.Option(help="Seconds to wait for a node's /stats.")] = 2.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Serve the cluster admin API (FastAPI; OpenAPI docs at /docs)."""
+    import uvicorn
+
+    from kvring.admin import AdminSettings, create_app
+    from kvring.cachenode.membership import EtcdSettings
+
+    _logging(verbose)
+    try:
+        settings = AdminSettings(etcd=EtcdSettings.parse(etcd, cluster=cluster), token=token or None,
+                                 node_timeout=node_timeout)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(f"kvring admin API for cluster {cluster!r} on http://{host}:{port} (docs /docs); drain and flush "
+               + ("need the bearer token" if settings.token else "are off: set KVRING_ADMIN_TOKEN to enable them"),
+               err=True)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="debug" if verbose else "warning")
 
 
 def main() -> None:

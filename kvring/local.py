@@ -1,4 +1,5 @@
-"""Run a kvring cluster on this machine: a local etcd plus node processes on loopback.
+"""Run a kvring cluster on this machine: a local etcd plus node processes on loopback, and
+optionally the admin API.
 
 Used by ``kvring up``, the benchmarks and the tests.  Every process is started in its own
 process group and stopped (SIGTERM, then SIGKILL) on ``close()``, so nothing is left behind.
@@ -182,18 +183,72 @@ class NodeProcess:
             self.proc.stdout.close()
 
 
+@dataclass
+class AdminProcess:
+    """A ``kvring admin`` child process on loopback; the token travels in its environment."""
+
+    etcd: str
+    cluster: str = "default"
+    port: int = 0
+    token: str | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> AdminProcess:
+        self.port = self.port or free_port()
+        env = dict(os.environ)
+        env.pop("KVRING_ADMIN_TOKEN", None)
+        if self.token:
+            env["KVRING_ADMIN_TOKEN"] = self.token
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "kvring.cli", "admin", "--etcd", self.etcd, "--cluster", self.cluster,
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"kvring admin exited with code {self.proc.returncode}:\n{err}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        # Keep reading its log so the child never blocks on a full pipe.
+                        threading.Thread(target=self._drain_stderr, daemon=True).start()
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"kvring admin did not answer /healthz within {timeout}s")
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:
+            logger.debug("[admin] %s", line.decode(errors="replace").rstrip())
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+            if self.proc.stderr is not None:
+                self.proc.stderr.close()
+
+
 class LocalCluster:
-    """etcd (started here unless ``etcd`` is given) plus ``nodes`` node processes."""
+    """etcd (started here unless ``etcd`` is given) plus ``nodes`` node processes, and the admin
+    API on loopback when ``admin`` is set."""
 
     def __init__(self, nodes: int = 3, memory: int = 1 << 30, etcd: str | None = None,
                  cluster: str = "default", lease_ttl: int = 10, contract: Contract | None = None,
-                 node_args: list[str] | None = None) -> None:
+                 node_args: list[str] | None = None, admin: bool = False, admin_port: int = 0,
+                 admin_token: str | None = None) -> None:
         self.local_etcd = None if etcd else LocalEtcd()
         self.etcd = etcd or self.local_etcd.endpoint
         self.cluster = cluster
         self.contract = contract or Contract()
         self.nodes = [NodeProcess(f"node-{i}", memory, self.etcd, cluster, lease_ttl, self.contract,
                                   list(node_args or [])) for i in range(nodes)]
+        self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token) if admin else None
 
     def start(self) -> LocalCluster:
         try:
@@ -203,6 +258,8 @@ class LocalCluster:
                 node.start(wait=False)
             for node in self.nodes:
                 node.wait_ready()
+            if self.admin is not None:
+                self.admin.start()
         except BaseException:
             self.close()
             raise
@@ -216,6 +273,8 @@ class LocalCluster:
         return node
 
     def close(self) -> None:
+        if self.admin is not None:
+            self.admin.stop()
         for node in self.nodes:
             node.stop()
         if self.local_etcd is not None:

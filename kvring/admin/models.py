@@ -1,0 +1,153 @@
+"""Request and response bodies of the admin API (pydantic, so they appear in the OpenAPI docs)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TokenId = Annotated[int, Field(ge=0, lt=2**32, description="A token id (hashed as uint32, as the connector does).")]
+
+
+class Health(BaseModel):
+    status: str = "ok"
+
+
+class ContractView(BaseModel):
+    hash_algorithm: str
+    chunk_size: int
+    format_version: int
+    vnodes: int
+    replication: int
+
+
+class ClusterInfo(BaseModel):
+    cluster: str
+    etcd: list[str]
+    contract: ContractView | None = Field(description="None until the first node has recorded it.")
+    ring_epoch: int = Field(description="etcd revision of the membership the admin's ring was built from.")
+    etcd_revision: int = Field(description="etcd revision of this read.")
+    nodes: int
+    nodes_on_ring: int
+    states: dict[str, int] = Field(description="Registered nodes per state.")
+    drain_requests: list[str] = Field(description="Node ids with a pending drain request.")
+
+
+class NodeView(BaseModel):
+    node_id: str
+    state: str = Field(description="The node's state (joining, active, draining, drained), or 'unreachable' when "
+                                   "it is registered but its /stats did not answer.")
+    registered_state: str = Field(description="The state in the node's etcd record.")
+    on_ring: bool
+    data_addr: str
+    admin_addr: str
+    capacity: int = Field(description="Cache budget in bytes.")
+    used: int | None = Field(description="Bytes stored (None if unreachable).")
+    chunks: int | None
+    hits: int | None = Field(description="Keys found by LOOKUPs.")
+    misses: int | None = Field(description="Keys not found by LOOKUPs.")
+    drain: dict[str, Any] | None = Field(default=None, description="Drain progress, as the node reports it.")
+    error: str | None = Field(default=None, description="Why the node's stats could not be read.")
+
+
+class NodesView(BaseModel):
+    nodes: list[NodeView]
+
+
+class OwnersView(BaseModel):
+    key: str
+    owners: list[str] = Field(description="Owners on the current ring, primary first.")
+    held_by: list[str] = Field(description="Members that hold the key now (owners, or previous owners right "
+                                           "after a ring change).")
+    ring_epoch: int
+
+
+class LayoutIn(BaseModel):
+    """The connector's ``KVLayout`` (``kvring.connector.keys``): what a chunk's bytes depend on."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str
+    config_fingerprint: str
+    kv_dtype: str
+    num_layers: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_size: int = Field(ge=1)
+    block_layout: str
+    chunk_size: int = Field(ge=1)
+    tp_size: int = Field(default=1, ge=1)
+    tp_rank: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _rank_in_range(self) -> LayoutIn:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} must be below tp_size {self.tp_size}")
+        return self
+
+
+class MMSpanIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    offset: int = Field(ge=0)
+    length: int = Field(ge=1)
+    item_hash: str = Field(min_length=1)
+
+
+class LookupIn(BaseModel):
+    """A prompt to look up: its token ids and what its chunk keys are computed in.
+
+    Give either ``layout`` (the connector's KV layout, plus ``cache_salt`` and any multimodal
+    ``mm_spans``), or ``namespace`` (``KVLayout.namespace(cache_salt)``, already computed).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[TokenId]
+    namespace: str | None = Field(default=None, min_length=1)
+    layout: LayoutIn | None = None
+    cache_salt: str | None = None
+    mm_spans: list[MMSpanIn] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_namespace_source(self) -> LookupIn:
+        if (self.namespace is None) == (self.layout is None):
+            raise ValueError("give exactly one of 'namespace' (a computed namespace string) or 'layout' (the "
+                             "connector's KV layout fields)")
+        if self.namespace is not None and (self.cache_salt is not None or self.mm_spans):
+            raise ValueError("'cache_salt' and 'mm_spans' go with 'layout'; a given 'namespace' already has the "
+                             "salt folded in, and multimodal keys need the layout")
+        return self
+
+
+class ChunkView(BaseModel):
+    index: int
+    key: str = Field(description="The chunk key, hex.")
+    tokens: tuple[int, int] = Field(description="Token range [start, end) of the prompt.")
+    in_prefix: bool = Field(description="Part of the cached prefix (every chunk before it is cached too).")
+    owners: list[str]
+    held_by: list[str] = Field(description="Members that hold it now (empty: not cached).")
+
+
+class LookupView(BaseModel):
+    namespace: str
+    chunk_size: int
+    prompt_tokens: int
+    chunks_total: int = Field(description="Whole chunks of the prompt (a partial last chunk is never cached).")
+    matched_chunks: int = Field(description="Leading chunks cached: what the connector's lookup reports.")
+    matched_tokens: int
+    ring_epoch: int
+    chunks: list[ChunkView]
+
+
+class DrainView(BaseModel):
+    node_id: str
+    state: str
+    drain_requested: bool
+    message: str
+
+
+class FlushView(BaseModel):
+    namespace: str
+    deleted: int = Field(description="Chunk copies deleted across the cluster.")
+    nodes: dict[str, int] = Field(description="Copies deleted per node.")
+    failed: dict[str, str] = Field(description="Nodes that did not confirm, and why (flush again later).")

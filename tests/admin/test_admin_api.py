@@ -1,0 +1,354 @@
+"""The admin API (the real FastAPI app from ``create_app``) against a real etcd and real node
+processes, through ``fastapi.testclient.TestClient`` (which runs the app's lifespan).
+
+One 3-node cluster is shared by the module's tests; each test uses keys of its own, and the
+test that drains a node cancels the drain at its end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from kvring.admin import AdminSettings, create_app
+from kvring.cachenode import ClusterClient
+from kvring.cachenode.membership import Etcd, EtcdSettings
+from kvring.connector.keys import KVLayout, request_keys
+from kvring.local import LocalCluster, free_port
+
+TOKEN = "test-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+MEMORY = 64 << 20
+LAYOUT = KVLayout(model="tiny-llama", config_fingerprint="abc123", kv_dtype="bfloat16", num_layers=2,
+                  num_kv_heads=2, head_size=8, block_layout="BHNC", chunk_size=256)
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server):
+    c = LocalCluster(nodes=3, memory=MEMORY, etcd=etcd_server.endpoint, cluster="admin-api").start()
+    yield c
+    c.close()
+
+
+def _settings(cluster, token: str | None = TOKEN, **kw) -> AdminSettings:
+    return AdminSettings(etcd=EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster), token=token, **kw)
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    with TestClient(create_app(_settings(cluster))) as tc:
+        yield tc
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as c:
+        assert c.wait_for_nodes(3)
+        yield c
+
+
+def _etcd(cluster, fn):
+    async def run():
+        etcd = Etcd(EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster))
+        try:
+            return await fn(etcd)
+        finally:
+            await etcd.close()
+    return asyncio.run(run())
+
+
+def _put(client, keys, namespace: str = "") -> np.ndarray:
+    data = np.arange(2 * 2 * 256 * 2 * 8, dtype=np.uint8)  # one layer-major chunk of LAYOUT, as bytes
+    assert all(client.put_many([(k, data, [2, 256, 2, 16], "uint8", 256) for k in keys], namespace=namespace))
+    return data
+
+
+def _until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_health_and_openapi_docs(api):
+    assert api.get("/healthz").json() == {"status": "ok"}
+    docs = api.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    paths = api.get("/openapi.json").json()["paths"]
+    for path in ("/healthz", "/v1/cluster", "/v1/nodes", "/v1/keys/{key_hex}/owners", "/v1/lookup",
+                 "/v1/nodes/{node_id}/drain", "/v1/namespaces/{namespace}", "/metrics"):
+        assert path in paths, path
+
+
+def test_cluster_contract_epoch_and_members(api, cluster):
+    body = api.get("/v1/cluster").json()
+    assert body["cluster"] == cluster.cluster and body["etcd"] == [cluster.etcd]
+    assert body["contract"] == {"hash_algorithm": "blake2b-128", "chunk_size": 256, "format_version": 1,
+                                "vnodes": 1024, "replication": 1}
+    assert body["nodes"] == 3 and body["nodes_on_ring"] == 3 and body["states"] == {"active": 3}
+    assert body["ring_epoch"] > 0 and body["etcd_revision"] >= body["ring_epoch"]
+    assert body["drain_requests"] == []
+
+
+def test_nodes_capacity_usage_and_hit_counters(api, client):
+    before = {n["node_id"]: n for n in api.get("/v1/nodes").json()["nodes"]}
+    keys = [os.urandom(16) for _ in range(30)]
+    data = _put(client, keys)
+    assert client.lookup(keys + [os.urandom(16) for _ in range(5)]) == [True] * 30 + [False] * 5
+    nodes = api.get("/v1/nodes").json()["nodes"]
+    assert [n["node_id"] for n in nodes] == ["node-0", "node-1", "node-2"]
+    for n in nodes:
+        assert n["state"] == n["registered_state"] == "active" and n["on_ring"] and n["error"] is None
+        assert n["capacity"] == MEMORY and n["data_addr"].startswith("tcp://")
+        assert n["admin_addr"].startswith("http://") and n["drain"]["state"] == "active"
+    grew = lambda field: sum(n[field] - before[n["node_id"]][field] for n in nodes)  # noqa: E731
+    assert grew("chunks") == 30 and grew("used") == 30 * data.nbytes
+    assert grew("hits") == 30 and grew("misses") == 5
+
+    one = api.get("/v1/nodes/node-1").json()
+    assert one["node_id"] == "node-1" and one["capacity"] == MEMORY
+    missing = api.get("/v1/nodes/node-9")
+    assert missing.status_code == 404 and "no node 'node-9'" in missing.json()["detail"]
+    assert "node-0, node-1, node-2" in missing.json()["detail"]
+
+
+def test_key_owners_and_bad_keys(api, client):
+    key = os.urandom(16)
+    _put(client, [key])
+    body = api.get(f"/v1/keys/{key.hex()}/owners").json()
+    assert body["key"] == key.hex() and body["owners"] == client.owners(key)
+    assert body["held_by"] == client.owners(key) and body["ring_epoch"] > 0
+    absent = os.urandom(16).hex()
+    assert api.get(f"/v1/keys/{absent}/owners").json()["held_by"] == []
+    bad = api.get("/v1/keys/not-hex/owners")
+    assert bad.status_code == 422 and "not hex" in bad.json()["detail"]
+    too_long = api.get(f"/v1/keys/{'ab' * 65}/owners")
+    assert too_long.status_code == 422 and "1..64 bytes" in too_long.json()["detail"]
+
+
+def _layout_body(tokens, salt=None, **extra):
+    return {"token_ids": tokens, "layout": vars(LAYOUT), "cache_salt": salt, **extra}
+
+
+def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
+    from kvring.connector.config import ConnectorConfig
+    from kvring.connector.scheduler import SchedulerSide
+
+    rng = np.random.default_rng(11)
+    tokens = [int(t) for t in rng.integers(0, 32_000, size=5 * 256 + 37)]
+    salt = "tenant-7"
+    keys = request_keys(LAYOUT, tokens, salt)
+    assert len(keys) == 5
+    namespace = LAYOUT.namespace(salt)
+    _put(client, keys[:3] + keys[4:], namespace)  # chunks 0-2 and 4: the prefix stops at chunk 3
+
+    body = api.post("/v1/lookup", json=_layout_body(tokens, salt)).json()
+    assert body["namespace"] == namespace and body["chunk_size"] == 256
+    assert body["prompt_tokens"] == len(tokens) and body["chunks_total"] == 5
+    assert [c["key"] for c in body["chunks"]] == [k.hex() for k in keys]
+    assert body["matched_chunks"] == 3 and body["matched_tokens"] == 768
+    assert [c["in_prefix"] for c in body["chunks"]] == [True, True, True, False, False]
+    assert [bool(c["held_by"]) for c in body["chunks"]] == [True, True, True, False, True]
+    assert all(c["held_by"] == c["owners"] == client.owners(bytes.fromhex(c["key"]))
+               for c in body["chunks"] if c["held_by"])
+    assert body["chunks"][3]["tokens"] == [768, 1024]
+
+    # The connector's own scheduler-side lookup, on its own client, sees the same prefix.
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as own:
+        sched = SchedulerSide(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster), LAYOUT, own,
+                              block_size=16)
+        request = SimpleNamespace(request_id="r1", prompt_token_ids=tokens, cache_salt=salt, mm_features=None)
+        external, _ = sched.get_num_new_matched_tokens(request, 0)
+        seen_keys, hit_chunks, _ = sched._lookups["r1"]
+    assert [k.hex() for k in seen_keys] == [c["key"] for c in body["chunks"]]
+    assert hit_chunks == body["matched_chunks"] and external == body["matched_tokens"]
+
+    # The namespace string given directly computes the same keys.
+    direct = api.post("/v1/lookup", json={"token_ids": tokens, "namespace": namespace}).json()
+    assert direct["matched_chunks"] == 3 and [c["key"] for c in direct["chunks"]] == [k.hex() for k in keys]
+    # Another tenant's salt shares nothing; nor does the same prompt without a salt.
+    assert api.post("/v1/lookup", json=_layout_body(tokens, "tenant-8")).json()["matched_chunks"] == 0
+    assert api.post("/v1/lookup", json=_layout_body(tokens)).json()["matched_chunks"] == 0
+    # A prompt shorter than one chunk has nothing to look up.
+    short = api.post("/v1/lookup", json=_layout_body(tokens[:100], salt)).json()
+    assert short["chunks_total"] == 0 and short["matched_tokens"] == 0
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"token_ids": [1, 2]}, "exactly one of 'namespace'"),
+    ({"token_ids": [1], "namespace": "ns", "layout": vars(LAYOUT)}, "exactly one of 'namespace'"),
+    ({"token_ids": [1], "namespace": "ns", "cache_salt": "s"}, "go with 'layout'"),
+    ({"token_ids": [-1], "namespace": "ns"}, "greater than or equal to 0"),
+    ({"token_ids": [2**32], "namespace": "ns"}, "less than 4294967296"),
+    ({"token_ids": "1 2 3", "namespace": "ns"}, "valid list"),
+    ({"token_ids": [1], "namespace": "ns", "surprise": 1}, "Extra inputs are not permitted"),
+    ({"token_ids": [1], "layout": {**vars(LAYOUT), "num_layers": 0}}, "greater than or equal to 1"),
+    ({"token_ids": [1], "layout": {**vars(LAYOUT), "chunk_size": 16}}, "cluster's chunk size is 256"),
+    ({"token_ids": [1] * 300, "layout": vars(LAYOUT),
+      "mm_spans": [{"offset": 290, "length": 20, "item_hash": "img"}]}, "ends past the prompt"),
+])
+def test_lookup_rejects_bad_bodies_clearly(api, body, message):
+    resp = api.post("/v1/lookup", json=body)
+    assert resp.status_code == 422
+    assert message in str(resp.json()["detail"])
+
+
+def test_mutating_endpoints_need_the_token_and_change_nothing_without_it(api, cluster, client):
+    keys = [os.urandom(16) for _ in range(10)]
+    _put(client, keys, "kvring/v1/guarded")
+    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": f"Basic {TOKEN}"}):
+        for method, path in (("POST", "/v1/nodes/node-0/drain"), ("DELETE", "/v1/nodes/node-0/drain"),
+                             ("DELETE", "/v1/namespaces/kvring/v1/guarded"), ("POST", "/v1/nodes/nope/drain")):
+            resp = api.request(method, path, headers=headers)
+            assert resp.status_code == 401, (method, path, headers)
+            assert resp.headers["www-authenticate"] == "Bearer"
+            assert "Authorization: Bearer <token>" in resp.json()["detail"]
+    assert _etcd(cluster, lambda e: e.drain_requests()) == set()
+    assert api.get("/v1/cluster").json()["states"] == {"active": 3}
+    assert all(client.lookup(keys))
+
+
+def test_mutating_endpoints_are_off_without_a_configured_token(cluster, client):
+    keys = [os.urandom(16) for _ in range(5)]
+    _put(client, keys, "kvring/v1/open")
+    with TestClient(create_app(_settings(cluster, token=None))) as open_api:
+        for method, path in (("POST", "/v1/nodes/node-0/drain"), ("DELETE", "/v1/namespaces/kvring/v1/open")):
+            resp = open_api.request(method, path, headers=AUTH)
+            assert resp.status_code == 403 and "KVRING_ADMIN_TOKEN" in resp.json()["detail"]
+        assert open_api.get("/v1/cluster").status_code == 200  # reading needs no token
+    assert _etcd(cluster, lambda e: e.drain_requests()) == set()
+    assert all(client.lookup(keys))
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        _settings(cluster, token="short")
+
+
+def test_flush_through_the_api_leaves_other_namespaces_alone(api, client):
+    ns_a, ns_b = "kvring/v1/aaaa", "kvring/v1/bbbb"
+    a, b, none = ([os.urandom(16) for _ in range(40)] for _ in range(3))
+    _put(client, a, ns_a)
+    _put(client, b, ns_b)
+    _put(client, none)
+    resp = api.delete(f"/v1/namespaces/{ns_a}", headers=AUTH)
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["namespace"] == ns_a and body["deleted"] == 40 and body["failed"] == {}
+    assert set(body["nodes"]) == {"node-0", "node-1", "node-2"} and sum(body["nodes"].values()) == 40
+    assert not any(client.lookup(a)) and all(client.lookup(b)) and all(client.lookup(none))
+    assert api.delete(f"/v1/namespaces/{ns_a}", headers=AUTH).json()["deleted"] == 0
+    empty = api.delete("/v1/namespaces/", headers=AUTH)
+    assert empty.status_code == 422 and "empty namespace" in empty.json()["detail"]
+    assert all(client.lookup(none))
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text -> {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_requests_and_gauge_the_cluster(api):
+    api.get("/healthz")
+    api.get("/v1/keys/zz/owners")
+    m = _samples(api.get("/metrics").text)
+    req = "kvring_admin_requests_total"
+    assert m[(req, (("method", "GET"), ("route", "/healthz"), ("status", "200")))] >= 1
+    assert m[(req, (("method", "GET"), ("route", "/v1/keys/{key_hex}/owners"), ("status", "422")))] >= 1
+    assert m[("kvring_admin_etcd_up", ())] == 1
+    assert m[("kvring_cluster_nodes", (("state", "active"),))] == 3
+    assert m[("kvring_cluster_nodes", (("state", "drained"),))] == 0
+    assert m[("kvring_cluster_capacity_bytes", ())] == 3 * MEMORY
+    per_node = sum(m[("kvring_cluster_node_chunks", (("node", f"node-{i}"),))] for i in range(3))
+    assert per_node == m[("kvring_cluster_chunks", ())] > 0
+    assert m[("kvring_cluster_node_up", (("node", "node-2"),))] == 1
+    assert m[("kvring_cluster_ring_epoch", ())] > 0
+
+
+def test_drain_through_the_api(api, cluster, client):
+    keys = [os.urandom(16) for _ in range(60)]
+    _put(client, keys)
+    assert api.post("/v1/nodes/nope/drain", headers=AUTH).status_code == 404
+    resp = api.post("/v1/nodes/node-2/drain", headers=AUTH)
+    assert resp.status_code == 202 and resp.json()["drain_requested"] is True
+    _until(lambda: api.get("/v1/nodes/node-2").json()["state"] == "drained", 30, "node-2 drained")
+    node = api.get("/v1/nodes/node-2").json()
+    assert node["chunks"] == 0 and node["registered_state"] == "drained" and not node["on_ring"]
+    assert node["drain"]["requested_by"] == ["etcd"] and node["drain"]["remaining"] == 0
+    info = api.get("/v1/cluster").json()
+    assert info["states"] == {"active": 2, "drained": 1} and info["nodes_on_ring"] == 2
+    assert info["drain_requests"] == ["node-2"]
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as fresh:
+        assert all(c is not None for c in fresh.get(keys))
+        key = keys[0]
+        owners = api.get(f"/v1/keys/{key.hex()}/owners").json()["owners"]
+        assert "node-2" not in owners and owners == fresh.owners(key)
+
+    resp = api.delete("/v1/nodes/node-2/drain", headers=AUTH)
+    assert resp.status_code == 200 and resp.json()["drain_requested"] is False
+    _until(lambda: api.get("/v1/cluster").json()["states"] == {"active": 3}, 10, "node-2 active again")
+    assert api.get("/v1/cluster").json()["drain_requests"] == []
+
+
+def test_unreachable_node_is_listed_not_an_error(cluster_factory):
+    small = cluster_factory(nodes=2, memory=16 << 20)
+    small.nodes[1].kill()  # no goodbye: its record stays until the lease runs out
+    with TestClient(create_app(_settings(small, node_timeout=1.0))) as api:
+        nodes = {n["node_id"]: n for n in api.get("/v1/nodes").json()["nodes"]}
+        assert nodes["node-0"]["state"] == "active"
+        gone = nodes["node-1"]
+        assert gone["state"] == "unreachable" and gone["registered_state"] == "active"
+        assert gone["used"] is None and gone["error"]
+        m = _samples(api.get("/metrics").text)
+        assert m[("kvring_cluster_nodes", (("state", "unreachable"),))] == 1
+        assert m[("kvring_cluster_node_up", (("node", "node-1"),))] == 0
+
+
+def test_etcd_down_is_a_clear_503():
+    settings = AdminSettings(etcd=EtcdSettings.parse(f"127.0.0.1:{free_port()}", cluster="x", timeout=0.3),
+                             token=TOKEN)
+    with TestClient(create_app(settings)) as api:
+        assert api.get("/healthz").status_code == 200
+        for method, path, body in (("GET", "/v1/cluster", None), ("GET", "/v1/nodes", None),
+                                   ("POST", "/v1/nodes/node-0/drain", None),
+                                   ("POST", "/v1/lookup", {"token_ids": [1], "namespace": "ns"})):
+            resp = api.request(method, path, json=body, headers=AUTH)
+            assert resp.status_code == 503, (path, resp.text)
+            assert "etcd at 127.0.0.1:" in resp.json()["detail"] and "cannot be reached" in resp.json()["detail"]
+        assert _samples(api.get("/metrics").text)[("kvring_admin_etcd_up", ())] == 0
+
+
+def test_kvring_up_serves_the_admin_api():
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.cli", "up", "--nodes", "1", "--memory", "16MiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "KVRING_ADMIN_TOKEN": TOKEN, "COLUMNS": "200"})
+    try:
+        lines = []
+        while not lines or "Press Ctrl-C" not in lines[-1]:
+            line = proc.stdout.readline()
+            assert line, "kvring up exited early:\n" + "".join(lines)
+            lines.append(line)
+        text = "".join(lines)
+        url = re.search(r"Admin API: (http://127\.0\.0\.1:\d+)", text).group(1)
+        assert f"Bearer {TOKEN}" in text
+        import httpx
+        assert httpx.get(f"{url}/v1/cluster", timeout=10).json()["nodes"] == 1
+        resp = httpx.delete(f"{url}/v1/namespaces/kvring/v1/x", headers=AUTH, timeout=10)
+        assert resp.status_code == 200 and resp.json()["deleted"] == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
