@@ -36,13 +36,13 @@ class HostCopies:
     def scatter(self, kv: torch.Tensor, slots: np.ndarray, src: torch.Tensor) -> None:
         """Write ``src`` ([tokens, H, C], on any device) to ``slots`` of one layer's cache ``kv``."""
         bs = self.block_size
-        n = len(slots)
         src = src.to(kv.device, non_blocking=True)
         if _whole_blocks(slots, bs):
-            # The usual case (loads start and end on block boundaries): one index_copy_ along
-            # the block dimension instead of a per-token scatter.
-            blocks = torch.from_numpy(slots[::bs] // bs).to(kv.device, non_blocking=True)
-            kv.index_copy_(0, blocks, src.view(n // bs, bs, *src.shape[1:]).transpose(1, 2))
+            # The usual case (loads start and end on block boundaries): a strided copy per block,
+            # [bs, H, C] -> [H, bs, C] (about twice as fast on CPU as one index_copy_ over them,
+            # and several times faster than a per-token scatter).
+            for i, block in enumerate((slots[::bs] // bs).tolist()):
+                kv[block].copy_(src[i * bs:(i + 1) * bs].transpose(0, 1), non_blocking=True)
         else:
             t = torch.from_numpy(slots).to(kv.device, non_blocking=True)
             kv[t // bs, :, t % bs] = src

@@ -20,11 +20,12 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Save the whole chunks ``keys``, covering tokens ``[start, end)`` of the request."""
+    """Save chunks ``keys``, covering tokens ``[start, end)`` of the request (only the last may be partial)."""
 
     keys: list[bytes]
     start: int
     end: int
+    namespace: str = ""  # the request's key namespace (model, layout, cache_salt): flushable as one
 
 
 @dataclass

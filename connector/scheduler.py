@@ -140,7 +140,10 @@ class SchedulerSide:
             keys, end = keys + [tracker.keys[full]], tracker.prompt_len
             tracker.tail_done = True
         tracker.saved_chunks = max(tracker.saved_chunks, full)
-        return SaveSpec(keys, start, end) if keys else None
+        if not keys:
+            return None
+        salt = getattr(tracker.request, "cache_salt", None) if tracker.request is not None else None
+        return SaveSpec(keys, start, end, self.layout.namespace(salt))
 
     def request_finished(self, request) -> None:
         for table in (self._lookups, self._pending_load, self._trackers, self._requests):

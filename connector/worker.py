@@ -210,12 +210,13 @@ class WorkerSide:
                          *self.token_shape), self.dtype) for i in range(len(save.keys))]
             self.copies.gather_into(kv_layer, req.slot_mapping[save.start:save.end], bufs, layer)
             if layer == len(self.layer_names) - 1:
-                self._saver.submit(self._put, save.keys, self._saves.pop(req.req_id), self.copies.saved())
+                self._saver.submit(self._put, save.keys, self._saves.pop(req.req_id), self.copies.saved(),
+                                   save.namespace)
 
-    def _put(self, keys: list[bytes], bufs: list[torch.Tensor], copied=None) -> None:
+    def _put(self, keys: list[bytes], bufs: list[torch.Tensor], copied=None, namespace: str = "") -> None:
         try:
             self.copies.wait_saved(copied)  # on CUDA: the device-to-host copies have landed
-            items = [(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1])
+            items = [(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1], namespace)
                      for key, buf in zip(keys, bufs)]
             stored = self.client.put_many(items)
             self.chunks_saved += sum(1 for s in stored if s)

@@ -1,7 +1,8 @@
 """`kvring bench e2e`: time to first token, loaded from a kvring cluster vs recomputed.
 
 One run, one local 3-node cluster, four separate vLLM instances (each its own process, as
-separate pods would be) on a random Llama big enough for prefill to matter on a CPU:
+separate pods would be) on a random Llama big enough for prefill to matter on a CPU (by
+default 6 layers, hidden 1024, GQA 8/4 heads of 128, MLP 11008: 12 KiB of KV per token):
 
 - ``store``: computes each prompt once and saves its chunks (the first instance's cost);
 - ``layerwise`` and ``bulk``: a second instance in each load mode gets the same prompts and
@@ -67,7 +68,7 @@ def _raw_zmq_seconds(chunk_bytes: int, chunks: int, layers: int, repeats: int = 
 
 
 def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
-                  memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None) -> dict:
+                  intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None) -> dict:
     from kvring.vllm_run import run_instance, write_tiny_llama
 
     console = Console()
@@ -79,7 +80,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("writing a random Llama (no download)", total=len(steps))
         model = str(write_tiny_llama(tmp / "model", layers=layers, hidden=hidden, heads=8, kv_heads=4,
-                                     vocab=32000, head_dim=128))
+                                     vocab=32000, head_dim=128, intermediate=intermediate))
         bar.advance(task)
         bar.update(task, description="starting etcd and 3 cache nodes")
         runs: dict[str, dict] = {}
@@ -123,7 +124,8 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 row["raw_zmq_seconds"] = _raw_zmq_seconds(chunk_bytes, load["load_chunks"], layers)
         bar.advance(task)
 
-    results = {"model": {"layers": layers, "hidden": hidden, "kv_heads": 4, "head_dim": 128}, "rows": rows}
+    results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
+                         "kv_heads": 4, "head_dim": 128}, "rows": rows}
     console.print(_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results

@@ -17,13 +17,14 @@ from pathlib import Path
 
 
 def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-                     vocab: int = 2048, seed: int = 0, head_dim: int | None = None) -> Path:
-    """A small random-weight Llama, saved locally (no download)."""
+                     vocab: int = 2048, seed: int = 0, head_dim: int | None = None,
+                     intermediate: int | None = None) -> Path:
+    """A small random-weight Llama, saved locally (no download); MLP width ``2 * hidden`` unless given."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate or hidden * 2, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                          max_position_embeddings=16384, torch_dtype="bfloat16",
                          head_dim=head_dim or hidden // heads)

@@ -46,7 +46,7 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
     saver = _worker(cluster, mode)
     saver.register_kv_caches(_caches(1, device))
     meta = KVRingMetadata([ReqMeta("a", _slots(src_blocks, 4 * CHUNK), src_blocks,
-                                   save=SaveSpec(keys, 0, 4 * CHUNK))])
+                                   save=SaveSpec(keys, 0, 4 * CHUNK, f"ns-{mode}-{device}"))])
     for name in saver.layer_names:
         saver.save_kv_layer(meta, name, saver.kv_caches[name])
     saver.flush()
@@ -75,6 +75,10 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
                 assert torch.equal(got, old[dst_slots[t] // BLOCK, :, dst_slots[t] % BLOCK]), (name, t)
         other = [b for b in range(BLOCKS) if b not in dst_blocks]
         assert torch.equal(dst[other], old[other])
+    # Saved chunks carry the request's namespace: flushing it removes the 3 that are left.
+    assert loader.client.flush_namespace("ns-other") == 0
+    assert loader.client.flush_namespace(f"ns-{mode}-{device}") == 3
+    assert not any(loader.client.lookup(keys))
     for w in (saver, loader):
         w.shutdown()
         w.client.close()
