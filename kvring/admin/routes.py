@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvring.cachenode.errors import MembershipError
 from kvring.cachenode.hashing import chained_hashes
+from kvring.cachenode.membership import LEFT_RING_STATES
 from kvring.cachenode.node import MAX_KEY_BYTES
 from kvring.connector.keys import KVLayout, MMSpan, request_keys
 
@@ -65,7 +66,7 @@ async def cluster_info(cluster: ClusterHandle = Depends(cluster_of)) -> ClusterI
         ring_epoch=cluster.ring_epoch(revision),
         etcd_revision=revision,
         nodes=len(members),
-        nodes_on_ring=sum(1 for v in members.values() if v.state in ("joining", "active")),
+        nodes_on_ring=sum(1 for v in members.values() if v.state not in LEFT_RING_STATES),
         states=dict(sorted(states.items())),
         drain_requests=sorted(drains),
     )
