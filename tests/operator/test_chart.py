@@ -16,9 +16,11 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import typer
 import yaml
 from crd_schema import CRD_PATH, ROOT, schema_errors
 
+from kvring.cli import app
 from kvring.operator.render import render_children
 from kvring.operator.spec import ClusterSpec, check_name
 
@@ -40,6 +42,7 @@ SCENARIOS = {
                    "--set", "admin.enabled=true",
                    "--set", "cacheCluster.spec.replication=2", "--set", "operator.extraArgs={--verbose}"],
     "no-operator": ["--set", "operator.enabled=false", "--set", "cacheCluster.enabled=true"],
+    "namespaced": ["--set", "operator.namespaces={team-a,team-b}", "--set", "operator.livenessPort=0"],
 }
 
 
@@ -78,7 +81,9 @@ def test_template_validates(scenario):
         else:
             # Raises on any violation, and on a kind it has no schema for (SchemaNotFoundError).
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-        if doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
+        if doc["kind"] in ("Role", "RoleBinding"):
+            assert doc["metadata"]["namespace"] in ("team-a", "team-b")
+        elif doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
             assert doc["metadata"]["namespace"] == NAMESPACE
 
 
@@ -90,7 +95,10 @@ def test_default_release_is_operator_and_crd_only():
     deploy = docs[("Deployment", "kv-kvring-operator")]
     pod = deploy["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["command"] == ["python", "-P", "-m", "kvring.cli"] and container["args"] == ["operator"]
+    assert container["command"] == ["python", "-P", "-m", "kvring.cli"]
+    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:8081/healthz"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["ports"] == [{"name": "health", "containerPort": 8081, "protocol": "TCP"}]
     assert container["image"] == "kvring:0.1.0"
     assert pod["serviceAccountName"] == "kv-kvring-operator"
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -121,6 +129,44 @@ def test_rbac_is_least_privilege():
         ("", "namespaces"): {"list", "watch"},
     }
     assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in rules)
+
+
+def parse_cli(argv: list[str]) -> dict:
+    """The parameters the real ``kvring`` CLI reads from ``argv`` (nothing is run)."""
+    command = typer.main.get_command(app)
+    ctx = command.make_context("kvring", list(argv))
+    return command.get_command(ctx, argv[0]).make_context(argv[0], argv[1:], parent=ctx).params
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "namespaced", "everything"])
+def test_operator_and_admin_command_lines_parse_with_the_real_cli(scenario):
+    docs = by_kind(template(*SCENARIOS[scenario]))
+    (operator,) = docs[("Deployment", "kv-kvring-operator")]["spec"]["template"]["spec"]["containers"]
+    params = parse_cli(operator["args"])
+    assert list(params["namespace"] or []) == (["team-a", "team-b"] if scenario == "namespaced" else [])
+    assert params["liveness"] == (None if scenario == "namespaced" else "http://0.0.0.0:8081/healthz")
+    if ("Deployment", "kv-kvring-admin") in docs:
+        (admin,) = docs[("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]["containers"]
+        argv = [a.replace("$(KVRING_ETCD)", "kv-etcd.kvring.svc:2379").replace("$(KVRING_CLUSTER)", "kvring.kv-cache")
+                for a in admin["args"]]
+        params = parse_cli(argv)
+        assert (params["host"], params["port"], params["cluster"]) == ("0.0.0.0", 8000, "kvring.kv-cache")
+
+
+def test_namespaced_operator_gets_roles_not_a_cluster_role():
+    docs = by_kind(template(*SCENARIOS["namespaced"]))
+    (container,) = docs[("Deployment", "kv-kvring-operator")]["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["operator", "--namespace=team-a", "--namespace=team-b"]
+    assert "livenessProbe" not in container
+    cluster_rules = docs[("ClusterRole", "kv-kvring-operator")]["rules"]
+    assert {r for rule in cluster_rules for r in rule["resources"]} == {"customresourcedefinitions", "namespaces"}
+    roles = [d for d in template(*SCENARIOS["namespaced"]) if d["kind"] in ("Role", "RoleBinding")]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in roles) == [
+        ("Role", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-a"), ("RoleBinding", "team-b")]
+    role = next(d for d in roles if d["kind"] == "Role")
+    assert {r for rule in role["rules"] for r in rule["resources"]} >= {"cacheclusters", "statefulsets", "pods"}
+    binding = next(d for d in roles if d["kind"] == "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kv-kvring-operator", "namespace": NAMESPACE}]
 
 
 def test_rbac_covers_every_kind_the_operator_renders():

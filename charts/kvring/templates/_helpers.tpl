@@ -51,3 +51,47 @@ runAsNonRoot: true
 capabilities:
   drop: [ALL]
 {{- end }}
+
+{{/* The operator's rights on namespaced objects: what it does and nothing more.  It reads pods
+     but never changes them, and reads no Secrets (pods reference their Secrets themselves). */}}
+{{- define "kvring.operatorRules" -}}
+# The CacheClusters: read, add/remove the finalizer and kopf's progress annotations.
+- apiGroups: [kvring.io]
+  resources: [cacheclusters]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [kvring.io]
+  resources: [cacheclusters/status]
+  verbs: [get, patch, update]
+# Owner references with blockOwnerDeletion on the children need this.
+- apiGroups: [kvring.io]
+  resources: [cacheclusters/finalizers]
+  verbs: [update]
+# The children it creates and patches.
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, update, delete]
+# Node pods: observed for status, never changed.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+# Events about the handlers' progress and invalid specs.
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end }}
+{{/* Cluster-wide rights kopf needs for its own bookkeeping. */}}
+{{- define "kvring.clusterRules" -}}
+# kopf: notices CRDs and namespaces appearing and going.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- end }}
