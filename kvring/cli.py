@@ -276,7 +276,6 @@ def operator(
     from kvring.operator.config import OperatorConfig
     from kvring.operator.main import run
 
-    _logging(verbose)
     run(OperatorConfig(namespaces=tuple(namespace or ()), status_interval=status_interval,
                        etcd_timeout=etcd_timeout, liveness_endpoint=liveness), verbose=verbose)
 

@@ -177,10 +177,10 @@ class CacheClusterHandlers:
 
     async def _withdraw_stale_drains(self, etcd: Etcd, name: str, plan: scaling.ReplicaPlan,
                                      logger: logging.Logger) -> None:
-        """Before the StatefulSet keeps or gets a pod, withdraw that node's drain request (a
-        scale-out that reverses a scale-in in progress)."""
+        """Withdraw the drain requests of nodes that stay, before their pods are kept or added
+        (a scale-out, or a smaller scale-in, that reverses part of a scale-in in progress)."""
         try:
-            stale = scaling.stale_drains(name, await etcd.drain_requests(), plan.replicas)
+            stale = scaling.stale_drains(name, await etcd.drain_requests(), plan.staying)
             for node_id in stale:
                 await etcd.cancel_drain(node_id)
         except MembershipError as exc:

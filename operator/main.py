@@ -17,7 +17,10 @@ logger = logging.getLogger(__name__)
 
 
 def run(config: OperatorConfig, verbose: bool = False) -> None:
-    """Serve CacheClusters until SIGINT/SIGTERM (blocks; the handlers run on kopf's event loop)."""
+    """Serve CacheClusters until SIGINT/SIGTERM (blocks; the handlers run on kopf's event loop).
+
+    Logging is kopf's (its format names the object each line is about); ``verbose`` is DEBUG.
+    """
     kopf.configure(verbose=verbose)
     registry = kopf.OperatorRegistry()
     register(registry, config)

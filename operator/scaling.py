@@ -71,6 +71,11 @@ class ReplicaPlan:
     scale_in: ScaleIn | None  # the scale-in to record (None: remove the annotation)
     request_drains: tuple[str, ...] = ()  # node ids to ask to drain
 
+    @property
+    def staying(self) -> int:
+        """How many nodes (the lowest ordinals) stay: their drain requests, if any, are stale."""
+        return self.scale_in.target if self.scale_in is not None else self.replicas
+
 
 def leaving_nodes(name: str, target: int, source: int) -> tuple[str, ...]:
     """Node ids of ordinals ``target .. source-1``, highest first."""
@@ -94,9 +99,9 @@ def plan_replicas(name: str, desired: int, current: int | None, pending: ScaleIn
     return ReplicaPlan(replicas=current, scale_in=scale_in, request_drains=leaving)
 
 
-def stale_drains(name: str, requested: Iterable[str], replicas: int) -> list[str]:
-    """Drain requests of nodes that are to stay (ordinal below ``replicas``): withdraw them."""
-    return sorted(n for n in requested if (o := ordinal(name, n)) is not None and o < replicas)
+def stale_drains(name: str, requested: Iterable[str], staying: int) -> list[str]:
+    """Drain requests of nodes that are to stay (ordinal below ``staying``): withdraw them."""
+    return sorted(n for n in requested if (o := ordinal(name, n)) is not None and o < staying)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -23,7 +27,7 @@ from typing import Any
 import kopf
 import numpy as np
 import pytest
-from crd_schema import load_crd
+from crd_schema import load_crd, schema_errors
 from kmock_shim import EmulatorThread, KubeAPI, wait_for
 from kopf.testing import KopfRunner
 
@@ -92,6 +96,15 @@ def cc_when(api: KubeAPI, name: str, pred, timeout: float = 15.0, what: str = ""
 def cond_is(type_: str, **want: str):
     """A predicate: the condition ``type_`` has the given fields (status=..., reason=...)."""
     return lambda obj: all(condition(obj, type_).get(k) == v for k, v in want.items())
+
+
+def assert_every_version_fits_the_crd(kube: EmulatorThread, name: str) -> int:
+    """Every version of the CacheCluster the operator wrote passes the CRD's schema (a real API
+    server would have pruned or refused what does not); returns how many versions there were."""
+    versions = [v.raw for v in kube.emulator.objects[f"{CC}/cacheclusters", NS, name].history if v is not None]
+    for version in versions:
+        assert schema_errors(version) == [], version.get("status")
+    return len(versions)
 
 
 def events_for(api: KubeAPI, name: str, ns: str = NS) -> list[dict]:
@@ -243,6 +256,7 @@ def test_status_reports_pods_nodes_epoch_and_conditions(kube, etcd_server):
             assert condition(cr, "Ready")["status"] == "False"
             assert condition(cr, "Ready")["lastTransitionTime"] >= ready_since
             assert [n["state"] for n in cr["status"]["nodes"]] == ["active", "missing"]
+        assert assert_every_version_fits_the_crd(kube, "stat") > 5
     finally:
         for n in nodes:
             n.stop()
@@ -303,6 +317,7 @@ def test_scale_in_drains_the_leaving_nodes_before_the_statefulset_shrinks(kube, 
                          and cond_is("Rebalancing", status="False")(o), what="settled")
             assert [n["id"] for n in cr["status"]["nodes"]] == ["shrink-0", "shrink-1"]
             assert "kvring.io/scale-in" not in cr["metadata"].get("annotations", {})
+        assert_every_version_fits_the_crd(kube, "shrink")
 
         # Every chunk is still there, on the two nodes that stayed.
         with ClusterClient(etcd_server.endpoint, cluster=cluster) as client:
@@ -412,3 +427,22 @@ def test_deletion_removes_the_clusters_etcd_keys_and_releases_the_finalizer(kube
         assert etcd_keys(etcd_server.endpoint, mine) == []
         assert len(etcd_keys(etcd_server.endpoint, other)) == 2  # another cluster's keys stay
         assert all(children(api, "doomed").values())  # no GC in the emulator (see the docstring)
+
+
+def test_kvring_operator_command_serves_until_sigterm(kube, etcd_server):
+    """``kvring operator`` itself, as a process: it reads $KUBECONFIG, serves, stops cleanly."""
+    api = kube.api
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.cli", "operator", "--status-interval", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+                            start_new_session=True)
+    try:
+        api.create(cc_path(), cachecluster("cli", replicas=1, etcd={"endpoints": [etcd_server.endpoint]}))
+        wait_for(lambda: all(children(api, "cli").values()), timeout=60, what="children")
+        cc_when(api, "cli", lambda o: o.get("status", {}).get("nodes") == [{"id": "cli-0", "state": "missing",
+                                                                              "ready": False}], what="status")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, output[-3000:]
+    assert "serving CacheClusters in all namespaces" in output
+    assert output.count("Handler 'reconcile' succeeded") == 1  # one log line each, no duplicate handlers
