@@ -190,3 +190,19 @@ def test_only_loopback_may_drain_through_the_admin_port():
     for host, expected in [("127.0.0.1", True), ("127.5.0.1", True), ("::1", True), ("10.0.0.7", False),
                            ("192.168.1.2", False), ("fe80::1%eth0", False), ("not-an-ip", False)]:
         assert _is_loopback(host) is expected, host
+
+
+def test_a_drain_requested_before_start_holds(etcd_server):
+    """A pod restarted mid-drain comes back draining, not active (its request is still in etcd)."""
+    from kvring.local import LocalCluster
+
+    cluster = LocalCluster(nodes=2, memory=16 << 20, etcd=etcd_server.endpoint, cluster="drain-before-start")
+    _etcd(cluster, lambda e: e.request_drain("node-1"))
+    with cluster:
+        node = cluster.nodes[1]
+        assert _state(cluster, node.node_id) in ("draining", "drained")
+        assert _http(f"{node.admin_addr}/readyz")[0] == 503
+        _until(lambda: _state(cluster, node.node_id) == "drained", 10, "the empty node to report drained")
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            assert client.ring.nodes == ("node-0",)
+    assert _etcd(cluster, lambda e: e.drain_requests()) == set()  # drained and stopped: request fulfilled
