@@ -17,7 +17,7 @@ interval until the node holds no chunk, then calls ``on_drained`` (the node repo
 ``drained``).  It keeps looking afterwards: a client that had not yet seen the new ring may
 still have put a chunk here, and the next pass moves it on.  A drain that cannot finish keeps
 its chunks (nothing is deleted before an owner stored it) and says why in
-``DrainProgress.waiting``: the ring has no other node to take them (the single-node case;
+``DrainProgress`` (``reason`` for programs, ``waiting`` for people): the ring has no other node to take them (the single-node case;
 they stay here until a node joins or the drain is cancelled), their owners refused them or
 did not answer, or etcd is unreachable.
 """
@@ -43,7 +43,11 @@ class DrainProgress:
 
     handed_off: int = 0  # chunks moved away since the drain began
     passes: int = 0
-    waiting: str = ""  # why the drain has not finished ("" once nothing is left)
+    # Why the drain has not finished ("" once nothing is left): "starting", "ring_update" (the
+    # ring still has this node), "no_owners" (no active node to take the chunks), "retrying"
+    # (owners refused or did not answer), "paused" (etcd or the cluster unreachable).
+    reason: str = ""
+    waiting: str = ""  # the same, for people
 
 
 class Handoff:
@@ -74,7 +78,7 @@ class Handoff:
 
     def reset_drain(self) -> None:
         """A new drain begins (the node calls this when it enters ``draining``)."""
-        self.drain = DrainProgress(waiting="starting")
+        self.drain = DrainProgress(reason="starting", waiting="starting")
 
     def _run(self) -> None:
         client: ClusterClient | None = None
@@ -92,7 +96,7 @@ class Handoff:
                 except KVRingError as exc:
                     logger.warning("handoff paused: %s", exc)
                     if draining:
-                        self.drain.waiting = f"paused, will retry: {exc}"
+                        self._blocked("paused", f"paused, will retry: {exc}")
         finally:
             if client is not None:
                 client.close()
@@ -109,12 +113,12 @@ class Handoff:
     def _drain_step(self, client: ClusterClient) -> None:
         ring = client.ring
         if self.node_id in ring.nodes:
-            self.drain.waiting = "waiting for the ring to drop this node"
+            self._blocked("ring_update", "waiting for the ring to drop this node")
             return
         held = self.held()
         if held and not ring.nodes:
-            self.drain.waiting = (f"no active node is left in the ring to take this node's {held} chunks; they "
-                                  "stay here (add a node, or cancel the drain)")
+            self._blocked("no_owners", f"no active node is left in the ring to take this node's {held} chunks; "
+                                       "they stay here (add a node, or cancel the drain)")
             return
         if held:
             moved = self.pass_once(client, ring)
@@ -124,12 +128,15 @@ class Handoff:
             if moved:
                 logger.info("draining: handed off %d chunks, %d left", moved, held)
         if held:
-            self.drain.waiting = (f"{held} chunks not handed off yet (their owners refused them or did not "
-                                  "answer); retrying")
+            self._blocked("retrying", f"{held} chunks not handed off yet (their owners refused them or did not "
+                                      "answer); retrying")
             return
-        self.drain.waiting = ""
+        self._blocked("", "")
         if self.state() == "draining":
             self.on_drained()
+
+    def _blocked(self, reason: str, waiting: str) -> None:
+        self.drain.reason, self.drain.waiting = reason, waiting
 
     def pass_once(self, client: ClusterClient, ring: HashRing) -> int:
         """Move every chunk this node holds but does not own on ``ring``; returns how many."""

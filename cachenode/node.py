@@ -245,17 +245,19 @@ class CacheNode:
     def drain_status(self) -> dict:
         progress = self.handoff.drain if self.handoff is not None else DrainProgress()
         state = self.record.state
-        waiting = progress.waiting if state in LEFT_RING_STATES else ""
+        left = state in LEFT_RING_STATES
+        reason, waiting = (progress.reason, progress.waiting) if left else ("", "")
         if state == "draining" and self.handoff is None:
-            waiting = ("this node runs without handoff (--no-handoff or no etcd): its chunks stay here; "
-                       "restart it with handoff to drain")
+            reason, waiting = "no_handoff", ("this node runs without handoff (--no-handoff or no etcd): its chunks "
+                                             "stay here; restart it with handoff to drain")
         return {
             "state": state,
             "requested_by": sorted(self.drain_requests),
             "started_at": self.drain_started,
             "finished_at": self.drain_finished,
             "handed_off": progress.handed_off,
-            "remaining": len(self.store) if state in LEFT_RING_STATES else None,
+            "remaining": len(self.store) if left else None,
+            "reason": reason,
             "waiting": waiting,
         }
 

@@ -9,8 +9,10 @@ Two ways in, same outcome (see ``cachenode/node.py``):
   polls; works from anywhere that reaches etcd (an operator, a person).
 
 With ``--wait SECONDS`` the command follows the node's progress until it reports ``drained``
-and exits 0, or exits 1 when the time is up, printing why the node has not finished (e.g. no
-other node to take its chunks).  ``--cancel`` withdraws the request instead.
+and exits 0, or exits 1 when the time is up, printing why the node has not finished.  It stops
+waiting early (exit 1) once the node has reported for ``NOWHERE_GRACE_SECONDS`` that no active
+node is left to take its chunks: when a whole cluster shuts down every pod drains at once, and
+waiting out the timeout would only delay the shutdown.  ``--cancel`` withdraws the request.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvring.cachenode.membership import Etcd, EtcdSettings, NodeRecord
 
 POLL_SECONDS = 0.5
 REPORT_SECONDS = 5.0
+NOWHERE_GRACE_SECONDS = 10.0
 
 
 class DrainFailed(Exception):
@@ -59,10 +62,12 @@ def _describe(status: dict) -> str:
     return ", ".join(parts)
 
 
-def _follow(name: str, poll: Callable[[], dict], wait: float, echo: Callable[[str], None]) -> dict:
+def _follow(name: str, poll: Callable[[], dict], wait: float, echo: Callable[[str], None],
+            nowhere_grace: float = NOWHERE_GRACE_SECONDS) -> dict:
     """Poll until ``drained`` or ``wait`` seconds passed; print progress now and then."""
     start = time.monotonic()
     last_report = 0.0
+    nowhere_since: float | None = None
     while True:
         status = poll()
         now = time.monotonic()
@@ -71,6 +76,9 @@ def _follow(name: str, poll: Callable[[], dict], wait: float, echo: Callable[[st
             return status
         if now - start >= wait:
             raise DrainFailed(f"{name} is not drained after {wait:g}s: {_describe(status)}")
+        nowhere_since = (nowhere_since or now) if status.get("reason") == "no_owners" else None
+        if nowhere_since is not None and now - nowhere_since >= nowhere_grace:
+            raise DrainFailed(f"{name} cannot drain, giving up before --wait: {_describe(status)}")
         if now - last_report >= REPORT_SECONDS:
             echo(f"{name}: {_describe(status)}")
             last_report = now

@@ -173,7 +173,8 @@ def test_drain_with_nowhere_to_go_keeps_every_chunk(cluster_factory):
 
     stats = _stats(node)
     assert stats["state"] == "draining" and stats["chunks"] == 50
-    assert "stay here" in stats["drain"]["waiting"] and stats["drain"]["remaining"] == 50
+    assert stats["drain"]["reason"] == "no_owners" and stats["drain"]["remaining"] == 50
+    assert "stay here" in stats["drain"]["waiting"]
     assert _state(cluster, node.node_id) == "draining"
 
     cancelled = _kvring("drain", "--etcd", cluster.etcd, "--cluster", cluster.cluster, "--node", node.node_id,
@@ -206,3 +207,22 @@ def test_a_drain_requested_before_start_holds(etcd_server):
         with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
             assert client.ring.nodes == ("node-0",)
     assert _etcd(cluster, lambda e: e.drain_requests()) == set()  # drained and stopped: request fulfilled
+
+
+def test_waiting_gives_up_early_when_there_is_nowhere_to_go():
+    """`kvring drain --wait` stops waiting once the node has said for a while that no node can take
+    its chunks (a whole cluster shutting down drains every pod at once); other reasons wait on."""
+    import pytest
+
+    from kvring.drain import DrainFailed, _follow
+
+    nowhere = {"state": "draining", "reason": "no_owners", "remaining": 3, "waiting": "no active node is left"}
+    start = time.monotonic()
+    with pytest.raises(DrainFailed, match="giving up before --wait: draining, 3 chunks left, no active node"):
+        _follow("n", lambda: nowhere, wait=30, echo=lambda _: None, nowhere_grace=0.6)
+    assert time.monotonic() - start < 5
+    retrying = {**nowhere, "reason": "retrying"}
+    with pytest.raises(DrainFailed, match="not drained after 1.5s"):
+        _follow("n", lambda: retrying, wait=1.5, echo=lambda _: None, nowhere_grace=0.6)
+    statuses = iter([nowhere, nowhere, {"state": "drained", "handed_off": 3}])
+    assert _follow("n", lambda: next(statuses), wait=30, echo=lambda _: None, nowhere_grace=5)["state"] == "drained"
