@@ -149,11 +149,14 @@ def demo(
     prompts: Annotated[int, typer.Option(help="Prompts in the workload.", min=1)] = 3,
     mode: Annotated[str, typer.Option(help="Connector load mode: layerwise or bulk.")] = "layerwise",
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
 ) -> None:
     """Two vLLM instances share prefixes through a local cluster; B loads what A computed."""
     from kvring.demo import run_demo
 
-    result = run_demo(layers, hidden, prefix_tokens, suffix_tokens, prompts, mode, plot)
+    if mode not in ("layerwise", "bulk"):
+        raise typer.BadParameter(f"{mode!r}: use layerwise or bulk", param_hint="--mode")
+    result = run_demo(layers, hidden, prefix_tokens, suffix_tokens, prompts, mode, plot, json_out)
     if not all(r["identical"] for r in result["rows"]):
         raise typer.Exit(1)
 
@@ -208,6 +211,31 @@ def bench_data_plane(
 
     run_data_plane_bench(etcd=etcd, cluster=cluster, iterations=iterations, json_out=json_out, plot=plot,
                          quick=quick)
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    tokens: Annotated[str, typer.Option(help="Prompt lengths, comma-separated.")] = "1024,4096,8192",
+    layers: Annotated[int, typer.Option(help="Layers of the random Llama.", min=1)] = 6,
+    hidden: Annotated[int, typer.Option(help="Hidden size of the random Llama (8 heads of 128).", min=128)] = 1024,
+    intermediate: Annotated[int, typer.Option(help="MLP width of the random Llama.", min=1)] = 11008,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "2GiB",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Time to first token with real vLLM: loaded from a 3-node cluster (layerwise, bulk) vs recomputed."""
+    from kvring.bench_e2e import run_bench_e2e
+
+    try:
+        sizes = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{tokens!r} is not a comma-separated list of token counts, e.g. 1024,4096",
+                                 param_hint="--tokens") from None
+    if any(n < 300 for n in sizes):
+        raise typer.BadParameter("each prompt needs at least 300 tokens (one whole chunk and more)",
+                                 param_hint="--tokens")
+    run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
+                  json_out=json_out, plot=plot)
 
 
 @app.command()
