@@ -171,6 +171,7 @@ class ClusterClient:
         self.members: dict[str, NodeRecord] = {}
         self._failed: dict[str, float] = {}
         self._rids = itertools.count(1)
+        self.corrupt_dropped = 0  # copies that failed their checksum and were deleted
         self._nodes: dict[str, _Node] = {}
         self._closed = False
         self._ring_changed = threading.Condition()
@@ -586,6 +587,8 @@ class ClusterClient:
                         if meta is None or buf.nbytes != n * lb or (self.verify and any(
                                 xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) != expected[j] for j in range(n))):
                             logger.warning("bad or corrupt layer %d of a chunk from %s", reply.layer, node_id)
+                            if meta is not None and buf.nbytes == n * lb:  # bytes that fail their checksum
+                                self._drop_corrupt(node_id, keys[i])
                             found[i] = None
                             retry.append(i)
                             continue
@@ -616,6 +619,18 @@ class ClusterClient:
         for i in range(len(keys)):
             if not done[i]:
                 found[i] = None
+
+    def _drop_corrupt(self, node_id: str, key: bytes) -> None:
+        """Delete a copy that failed its checksum (in the background), so the next save of the
+        key can store a good one: PUT of an existing key is a no-op."""
+        async def drop():
+            try:
+                await self._simple(node_id, P.Delete(rid=next(self._rids), keys=[key]))
+            except Exception as exc:  # best effort: the copy stays a miss for every reader anyway
+                logger.debug("could not delete the corrupt copy on %s: %s", node_id, exc)
+
+        self.corrupt_dropped += 1
+        asyncio.run_coroutine_threadsafe(drop(), self._loop)
 
     def _send_stream(self, node_id: str, msg: P.Get, results: queue.Queue) -> None:
         node = self._nodes.get(node_id)

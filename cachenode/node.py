@@ -70,6 +70,9 @@ class NodeConfig:
     contract: Contract = field(default_factory=Contract)
     handoff: bool = True
     drain_poll: float = 1.0  # seconds between looks at this node's drain key in etcd
+    # Testing only: POST /debug/corrupt?key=HEX (from loopback) flips a stored byte, so tests can
+    # show that a corrupt chunk is never loaded. Off unless --fault-injection is given.
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -490,6 +493,9 @@ def _make_http_handler(node: CacheNode):
                 self._reply(404, b"not found; try /healthz /readyz /metrics /stats /drain\n", "text/plain")
 
         def do_POST(self) -> None:  # noqa: N802
+            if self.path.startswith("/debug/corrupt"):
+                self._corrupt()
+                return
             if self._drain_path():
                 node.request_drain("http")
                 self._json(202, node.drain_status())
@@ -498,6 +504,26 @@ def _make_http_handler(node: CacheNode):
             if self._drain_path():
                 node.cancel_drain("http")
                 self._json(200, node.drain_status())
+
+        def _corrupt(self) -> None:
+            """Fault injection (``--fault-injection`` only): flip one byte of a stored chunk in
+            place of its first layer, leaving its recorded checksums as they were."""
+            if not node.config.fault_injection or not _is_loopback(self.client_address[0]):
+                self._json(403, {"error": "fault injection is off (kvring node --fault-injection, loopback only)"})
+                return
+            query = dict(p.split("=", 1) for p in self.path.partition("?")[2].split("&") if "=" in p)
+            try:
+                key = bytes.fromhex(query.get("key", ""))
+            except ValueError:
+                key = b""
+            entry = node.store.peek(key)
+            if entry is None:
+                self._json(404, {"error": "no such chunk here (give ?key=HEX of a stored chunk)"})
+                return
+            data = bytearray(entry.buf)
+            data[0] ^= 0xFF
+            entry.buf = memoryview(bytes(data))  # one reference swap: safe against the I/O thread
+            self._json(200, {"corrupted": key.hex()})
 
         def _drain_path(self) -> bool:
             """Checks shared by POST/DELETE /drain; replies and returns False when they fail."""

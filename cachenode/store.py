@@ -64,6 +64,10 @@ class ChunkStore:
     def keys(self) -> list[bytes]:
         return list(self._entries)
 
+    def peek(self, key: bytes) -> Entry | None:
+        """The entry of ``key`` without counting it as a use."""
+        return self._entries.get(key)
+
     def get(self, key: bytes) -> Entry | None:
         entry = self._entries.get(key)
         if entry is not None:

@@ -63,10 +63,26 @@ def connect(config: ConnectorConfig) -> ClusterClient:
     return client
 
 
+def _recompute_on_load_failure(kv_transfer_config) -> None:
+    """A cache that cannot deliver a chunk is a miss: its blocks are recomputed, the request goes on.
+
+    vLLM's default ``kv_load_failure_policy`` is ``"fail"`` (the request ends with an error when
+    a connector reports blocks it could not load). For a cache that is never right, so the
+    connector sets ``"recompute"`` (the scheduler reads it after creating its connector);
+    ``kvring up`` and the CacheCluster status print it in the flag as well.
+    """
+    if getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+        logger.info("KVRingConnector: kv_load_failure_policy %r -> 'recompute' (a failed load is a cache "
+                    "miss: vLLM recomputes those blocks instead of failing the request)",
+                    kv_transfer_config.kv_load_failure_policy)
+        kv_transfer_config.kv_load_failure_policy = "recompute"
+
+
 class KVRingConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_sources(self._kv_transfer_config.kv_connector_extra_config)
+        _recompute_on_load_failure(self._kv_transfer_config)
         self.client = connect(self.config)
         chunk = self.client.contract.chunk_size
         block_size = vllm_config.cache_config.block_size
@@ -85,10 +101,12 @@ class KVRingConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
         try:
-            self._worker.start_load_kv(self._get_connector_metadata())
+            self._worker.start_load_kv(meta)
         except Exception:
-            logger.exception("kvring start_load_kv failed")
+            logger.exception("kvring start_load_kv failed; this step's loads will be recomputed")
+            self._worker.fail_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_for_layer_load(layer_name)

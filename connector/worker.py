@@ -161,6 +161,14 @@ class WorkerSide:
             self._load_thread = threading.Thread(target=job.run, name="kvring-load", daemon=True)
             self._load_thread.start()
 
+    def fail_loads(self, meta: KVRingMetadata) -> None:
+        """Report every block this step meant to load as failed (the load could not start)."""
+        self._load = None
+        for req in meta.requests:
+            if req.load is not None and req.load.end > req.load.write_from:
+                slots = req.slot_mapping[req.load.write_from:req.load.end]
+                self._failed.update((slots // self.block_size).tolist())
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._load
         if job is None:

@@ -50,6 +50,9 @@ def node(
     policy: Annotated[str, typer.Option(help="Eviction policy: lru or fifo.")] = "lru",
     lease_ttl: Annotated[int, typer.Option(help="etcd lease TTL in seconds.")] = 10,
     handoff: Annotated[bool, typer.Option(help="Move chunks this node no longer owns to their owners.")] = True,
+    fault_injection: Annotated[bool, typer.Option(
+        "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte.",
+        hidden=True)] = False,
     chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.")] = 256,
     vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).")] = 1024,
     replication: Annotated[int, typer.Option(help="Contract: owners per chunk.")] = 1,
@@ -67,6 +70,7 @@ def node(
             max_chunk_bytes=(_size(max_chunk_bytes, "--max-chunk-bytes") if max_chunk_bytes
                              else min(256 << 20, _size(memory, "--memory"))), policy=policy,
             etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl, handoff=handoff,
+            fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -113,7 +117,7 @@ def up(
         for n in cluster_.nodes:
             typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
         transfer = json.dumps({"kv_connector": "KVRingConnector", "kv_connector_module_path": "kvring.connector",
-                               "kv_role": "kv_both",
+                               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                                "kv_connector_extra_config": {"etcd": cluster_.etcd, "cluster": cluster}})
         typer.echo("Point vLLM at it:")
         typer.echo(f"  vllm serve MODEL --kv-transfer-config '{transfer}'")

@@ -34,7 +34,7 @@ def workload(prefix_tokens: int, suffix_tokens: int, count: int, seed: int = 0) 
 def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suffix_tokens: int = 1024,
              prompts: int = 3, mode: str = "layerwise", plot: Path | None = None,
              json_out: Path | None = None) -> dict:
-    console = Console()
+    console = Console(width=None if Console().is_terminal else 160)
     tmp = Path(tempfile.mkdtemp(prefix="kvring-demo-"))
     items = workload(prefix_tokens, suffix_tokens, prompts)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:

@@ -272,6 +272,20 @@ class LocalCluster:
         self.nodes.append(node.start())
         return node
 
+    def etcd_run(self, fn):
+        """Run ``await fn(etcd)`` against this cluster's etcd (an ``Etcd`` of its own), from sync code."""
+        import asyncio
+
+        from kvring.cachenode.membership import Etcd, EtcdSettings
+
+        async def run():
+            etcd = Etcd(EtcdSettings.parse(self.etcd, cluster=self.cluster))
+            try:
+                return await fn(etcd)
+            finally:
+                await etcd.close()
+        return asyncio.run(run())
+
     def close(self) -> None:
         if self.admin is not None:
             self.admin.stop()

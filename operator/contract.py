@@ -28,6 +28,7 @@ def connector_config(name: str, namespace: str, spec: ClusterSpec) -> dict[str, 
         "kv_connector": "KVRingConnector",
         "kv_connector_module_path": "kvring.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # a chunk that cannot be loaded is recomputed
         "kv_connector_extra_config": {
             "etcd": ",".join(etcd_endpoints(name, namespace, spec)),
             "cluster": cluster_key(name, namespace),

@@ -6,7 +6,6 @@ test that drains a node cancels the drain at its end."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
@@ -21,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from kvring.admin import AdminSettings, create_app
 from kvring.cachenode import ClusterClient
-from kvring.cachenode.membership import Etcd, EtcdSettings
+from kvring.cachenode.membership import EtcdSettings
 from kvring.connector.keys import KVLayout, request_keys
 from kvring.local import LocalCluster, free_port
 
@@ -56,14 +55,6 @@ def client(cluster):
         yield c
 
 
-def _etcd(cluster, fn):
-    async def run():
-        etcd = Etcd(EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster))
-        try:
-            return await fn(etcd)
-        finally:
-            await etcd.close()
-    return asyncio.run(run())
 
 
 def _put(client, keys, namespace: str = "") -> np.ndarray:
@@ -214,7 +205,7 @@ def test_mutating_endpoints_need_the_token_and_change_nothing_without_it(api, cl
             assert resp.status_code == 401, (method, path, headers)
             assert resp.headers["www-authenticate"] == "Bearer"
             assert "Authorization: Bearer <token>" in resp.json()["detail"]
-    assert _etcd(cluster, lambda e: e.drain_requests()) == set()
+    assert cluster.etcd_run(lambda e: e.drain_requests()) == set()
     assert api.get("/v1/cluster").json()["states"] == {"active": 3}
     assert all(client.lookup(keys))
 
@@ -227,7 +218,7 @@ def test_mutating_endpoints_are_off_without_a_configured_token(cluster, client):
             resp = open_api.request(method, path, headers=AUTH)
             assert resp.status_code == 403 and "KVRING_ADMIN_TOKEN" in resp.json()["detail"]
         assert open_api.get("/v1/cluster").status_code == 200  # reading needs no token
-    assert _etcd(cluster, lambda e: e.drain_requests()) == set()
+    assert cluster.etcd_run(lambda e: e.drain_requests()) == set()
     assert all(client.lookup(keys))
     with pytest.raises(ValueError, match="at least 16 characters"):
         _settings(cluster, token="short")

@@ -3,7 +3,6 @@ node's admin port (the preStop path, via the real `kvring drain` command), and w
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -15,21 +14,12 @@ import urllib.request
 import numpy as np
 
 from kvring.cachenode import ClusterClient
-from kvring.cachenode.membership import Etcd, EtcdSettings
 
 
-def _etcd(cluster, fn):
-    async def run():
-        etcd = Etcd(EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster))
-        try:
-            return await fn(etcd)
-        finally:
-            await etcd.close()
-    return asyncio.run(run())
 
 
 def _state(cluster, node_id: str) -> str | None:
-    rec = _etcd(cluster, lambda e: e.members())[0].get(node_id)
+    rec = cluster.etcd_run(lambda e: e.members())[0].get(node_id)
     return rec.state if rec is not None else None
 
 
@@ -97,7 +87,7 @@ def test_drain_through_etcd_hands_off_every_chunk(cluster_factory):
         assert held > 0
         assert _http(f"{target.admin_addr}/readyz")[0] == 200
 
-        _etcd(cluster, lambda e: e.request_drain(target.node_id))
+        cluster.etcd_run(lambda e: e.request_drain(target.node_id))
         assert _until(lambda: _http(f"{target.admin_addr}/readyz")[0] == 503, 5, "readyz 503 while draining")
         # The ring drops the node as soon as its record says draining; GETs keep working meanwhile.
         assert client.wait_for_nodes(2, timeout=5, exact=True)
@@ -118,9 +108,9 @@ def test_drain_through_etcd_hands_off_every_chunk(cluster_factory):
         assert sum(client.lookup([k for k, _, ns in chunks if ns == ""])) == 150
 
     # A drained node that stops removes its (fulfilled) drain request.
-    assert _etcd(cluster, lambda e: e.drain_requests()) == {target.node_id}
+    assert cluster.etcd_run(lambda e: e.drain_requests()) == {target.node_id}
     target.stop()
-    assert _etcd(cluster, lambda e: e.drain_requests()) == set()
+    assert cluster.etcd_run(lambda e: e.drain_requests()) == set()
 
 
 def test_drain_over_the_admin_port_with_the_cli_then_cancel(cluster_factory):
@@ -198,7 +188,7 @@ def test_a_drain_requested_before_start_holds(etcd_server):
     from kvring.local import LocalCluster
 
     cluster = LocalCluster(nodes=2, memory=16 << 20, etcd=etcd_server.endpoint, cluster="drain-before-start")
-    _etcd(cluster, lambda e: e.request_drain("node-1"))
+    cluster.etcd_run(lambda e: e.request_drain("node-1"))
     with cluster:
         node = cluster.nodes[1]
         assert _state(cluster, node.node_id) in ("draining", "drained")
@@ -206,7 +196,7 @@ def test_a_drain_requested_before_start_holds(etcd_server):
         _until(lambda: _state(cluster, node.node_id) == "drained", 10, "the empty node to report drained")
         with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
             assert client.ring.nodes == ("node-0",)
-    assert _etcd(cluster, lambda e: e.drain_requests()) == set()  # drained and stopped: request fulfilled
+    assert cluster.etcd_run(lambda e: e.drain_requests()) == set()  # drained and stopped: request fulfilled
 
 
 def test_waiting_gives_up_early_when_there_is_nowhere_to_go():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -135,3 +136,45 @@ def test_unfull_chunk_and_decode_cache_are_saved_and_loaded(etcd_server, model, 
     # q: 4 chunks + the partial one, up to the block boundary before the last token (1152);
     # the follow-up: 5 whole chunks, the fifth saved while A was decoding.
     assert cached == [1152, 1280, 0]
+
+
+def _corrupt(cluster: LocalCluster, client: ClusterClient, key_hex: str) -> None:
+    """Flip a stored byte of a chunk on its owner (the node's --fault-injection endpoint)."""
+    import urllib.request
+
+    owner = client.owners(bytes.fromhex(key_hex))[0]
+    node = next(n for n in cluster.nodes if n.node_id == owner)
+    req = urllib.request.Request(f"{node.admin_addr}/debug/corrupt?key={key_hex}", method="POST")
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+
+
+def test_corrupt_chunk_is_recomputed_in_both_modes(etcd_server, model, prompts, reference, tmp_path):
+    """A chunk whose bytes no longer match their checksums is never loaded: both load modes
+    report its blocks, vLLM recomputes them, and the corrupt copy is deleted from the node."""
+    p1, p2 = prompts
+    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-corrupt",
+                      node_args=["--fault-injection"]) as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster}
+        a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
+        bad = [a["keys"][0][2], a["keys"][1][3]]  # p1's chunk 2, p2's chunk 3 (not shared)
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            for key in bad:
+                _corrupt(cluster, client, key)
+            assert client.lookup([bytes.fromhex(k) for k in bad]) == [True, True]  # lookups cannot tell
+            outs = []
+            for mode, prompt in (("layerwise", p1), ("bulk", p2)):
+                stats = tmp_path / f"{mode}.loads.jsonl"
+                b = _run(tmp_path, f"B-{mode}", {"model": model, "prompts": [{"tokens": prompt}],
+                                                 "connector": {**conn, "load_mode": mode, "stats_path": str(stats)}})
+                outs.append(b["results"][0])
+                loads = [json.loads(line) for line in stats.read_text().splitlines()]
+                # One load of the 4 chunks; exactly the corrupt chunk's 2 blocks (256 / 128) failed.
+                assert [(x["chunks"], x["failed_blocks"]) for x in loads] == [(4, 2)]
+            deadline = time.monotonic() + 10
+            while any(client.lookup([bytes.fromhex(k) for k in bad])) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert client.lookup([bytes.fromhex(k) for k in bad]) == [False, False]
+    # vLLM recomputed those blocks (kv_load_failure_policy "recompute", which the connector sets):
+    # the output is the recompute's.
+    assert [o["tokens"] for o in outs] == reference[:2]

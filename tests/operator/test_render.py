@@ -276,9 +276,12 @@ def test_connector_config_is_what_the_connector_accepts():
     spec = spec_of(chunkSize=512)
     cfg = connector_config("kv", "ns", spec)
     assert cfg == {"kv_connector": "KVRingConnector", "kv_connector_module_path": "kvring.connector",
-                   "kv_role": "kv_both",
+                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"etcd": "kv-etcd.ns.svc:2379", "cluster": "ns.kv", "chunk_size": 512}}
     assert json.loads(connector_json("kv", "ns", spec)) == cfg
+    from vllm.config import KVTransferConfig  # the flag is one vLLM itself accepts
+
+    assert KVTransferConfig(**cfg).kv_load_failure_policy == "recompute"
     connector = ConnectorConfig.from_sources(cfg["kv_connector_extra_config"], environ={})
     assert (connector.etcd, connector.cluster, connector.chunk_size) == ("kv-etcd.ns.svc:2379", "ns.kv", 512)
     configmap = children(spec)[("ConfigMap", "kv-config")]
