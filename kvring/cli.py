@@ -154,13 +154,16 @@ def demo(
     mode: Annotated[str, typer.Option(help="Connector load mode: layerwise or bulk.")] = "layerwise",
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    dtype: Annotated[str, typer.Option(help="Model dtype: float32 (exact comparisons) or bfloat16.")] = "float32",
 ) -> None:
     """Two vLLM instances share prefixes through a local cluster; B loads what A computed."""
     from kvring.demo import run_demo
 
     if mode not in ("layerwise", "bulk"):
         raise typer.BadParameter(f"{mode!r}: use layerwise or bulk", param_hint="--mode")
-    result = run_demo(layers, hidden, prefix_tokens, suffix_tokens, prompts, mode, plot, json_out)
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"{dtype!r}: use float32 or bfloat16", param_hint="--dtype")
+    result = run_demo(layers, hidden, prefix_tokens, suffix_tokens, prompts, mode, plot, json_out, dtype)
     if not all(r["identical"] for r in result["rows"]):
         raise typer.Exit(1)
 

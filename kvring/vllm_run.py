@@ -57,7 +57,8 @@ def run(spec: dict) -> dict:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVRingConnector", kv_connector_module_path="kvring.connector", kv_role="kv_both",
             kv_connector_extra_config=spec["connector"])
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
+              dtype=spec.get("dtype", "bfloat16"),
               enable_prefix_caching=spec.get("prefix_caching", False), max_model_len=spec.get("max_model_len", 8192),
               max_num_batched_tokens=spec.get("max_model_len", 8192), gpu_memory_utilization=0.5, seed=0,
               disable_log_stats=False, **kw)
