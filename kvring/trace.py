@@ -283,12 +283,12 @@ def _print_tables(console: Console, r: dict) -> None:
     nodes.add_column("")
     for name in [*names, "max/mean"]:
         nodes.add_column(name, justify="right")
-    for label, field, fmt in (("stored", "used", format_size), ("chunks", "chunks", "{:,}".format),
+    for label, column, fmt in (("stored", "used", format_size), ("chunks", "chunks", "{:,}".format),
                               ("evictions", "evictions", "{:,}".format), ("lookup keys", "lookup_keys", "{:,}".format),
                               ("put keys", "put_keys", "{:,}".format), ("get keys", "get_keys", "{:,}".format),
                               ("load (lookup+put)", "load", "{:,}".format), ("node hits", "node_hits", "{:,}".format),
                               ("node misses", "node_misses", "{:,}".format)):
-        values = [r["per_node"][n][field] for n in names]
+        values = [r["per_node"][n][column] for n in names]
         nodes.add_row(label, *map(fmt, values), f"{_max_mean(values):.3f}")
     console.print(nodes)
 
