@@ -1,17 +1,21 @@
-"""Copies between host buffers and vLLM's paged KV cache: on the CPU backend, or on CUDA.
+"""Copies between socket frames / chunk buffers and vLLM's paged KV cache, on CPU or CUDA.
 
 The worker side moves KV in two directions, one layer at a time:
 
-- loads: a chunk's layer arrives as a read-only ZMQ frame; it is staged in a writable host
-  tensor and scattered into the layer's paged cache through the request's slot mapping;
+- loads: a chunk's layer arrives as a read-only ZMQ frame (``[tokens, H, C]``, token-major) and
+  is written into the layer's paged cache (``[blocks, H, block_size, C]``) through the request's
+  slot mapping;
 - saves: a layer's new-chunk slots are gathered out of the paged cache into the chunk's
   layer-major host buffer, which a background thread then sends.
 
-``HostCopies`` does this with plain tensor ops (vLLM's CPU backend: the cache is host memory).
-``CudaCopies`` keeps the cache's compute stream free: host staging buffers are pinned (PyTorch's
-caching host allocator reuses them and keeps each alive until its non-blocking copy is done),
-every copy runs on a side stream, and per-layer CUDA events order it with compute — the
-forward pass waits for a layer on the GPU (``wait_event``), never on the host.
+``HostCopies`` (vLLM's CPU backend: the cache is host memory) works on NumPy integer views of
+the same memory: it reads the frame in place (no staging copy) and moves each run of slots that
+lies in one block as one strided slice copy, which NumPy does several times faster than a
+PyTorch strided copy of bfloat16 on CPU (bytes are bytes: the copy never looks at the values).
+``CudaCopies`` keeps the cache's compute stream free: frames are staged in pinned host memory
+(PyTorch's caching host allocator reuses it and keeps each buffer alive until its non-blocking
+copy is done), every copy runs on a side stream, and per-layer CUDA events order it with compute
+— the forward pass waits for a layer on the GPU (``wait_event``), never on the host.
 """
 
 from __future__ import annotations
@@ -19,49 +23,61 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _ints(t: torch.Tensor) -> np.ndarray:
+    """A writable NumPy view of a CPU tensor's memory, as integers of its element size."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+
+
+def _runs(slots: np.ndarray, bs: int, cuts=()) -> list[tuple[int, int, int, int]]:
+    """Split ``slots`` into runs of consecutive slots inside one block (and at ``cuts``):
+    ``(position in slots, block, offset in block, length)``."""
+    n = len(slots)
+    if n == 0:
+        return []
+    brk = set((np.flatnonzero((np.diff(slots) != 1) | (slots[1:] % bs == 0)) + 1).tolist())
+    brk.update(int(c) for c in cuts if 0 < c < n)
+    starts = [0, *sorted(brk)]
+    ends = [*starts[1:], n]
+    return [(s, int(slots[s]) // bs, int(slots[s]) % bs, e - s) for s, e in zip(starts, ends)]
+
 
 class HostCopies:
-    """The paged cache is host memory: copies are plain, synchronous tensor ops."""
+    """The paged cache is host memory: synchronous slice copies on NumPy views."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def stage(self, view) -> torch.Tensor:
-        """One copy out of a read-only socket frame into a writable uint8 tensor."""
-        return torch.from_numpy(np.frombuffer(view, dtype=np.uint8).copy())
-
     def new_save_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def scatter(self, kv: torch.Tensor, slots: np.ndarray, src: torch.Tensor) -> None:
-        """Write ``src`` ([tokens, H, C], on any device) to ``slots`` of one layer's cache ``kv``."""
-        bs = self.block_size
-        src = src.to(kv.device, non_blocking=True)
-        if _whole_blocks(slots, bs):
-            # The usual case (loads start and end on block boundaries): a strided copy per block,
-            # [bs, H, C] -> [H, bs, C] (about twice as fast on CPU as one index_copy_ over them,
-            # and several times faster than a per-token scatter).
-            for i, block in enumerate((slots[::bs] // bs).tolist()):
-                kv[block].copy_(src[i * bs:(i + 1) * bs].transpose(0, 1), non_blocking=True)
-        else:
-            t = torch.from_numpy(slots).to(kv.device, non_blocking=True)
-            kv[t // bs, :, t % bs] = src
+    def load(self, kv: torch.Tensor, slots: np.ndarray, frame, row0: int) -> None:
+        """Write rows ``[row0, row0 + len(slots))`` of ``frame`` (one chunk layer, ``[tokens, H, C]``)
+        to ``slots`` of one layer's cache ``kv``; ``ValueError`` if the frame is too short."""
+        dst = _ints(kv)
+        src = np.frombuffer(frame, dtype=dst.dtype).reshape(-1, kv.shape[1], kv.shape[3])
+        if src.shape[0] < row0 + len(slots):
+            raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {row0 + len(slots)}")
+        for pos, block, off, n in _runs(slots, self.block_size):
+            dst[block, :, off:off + n] = src[row0 + pos:row0 + pos + n].transpose(1, 0, 2)
 
     def gather_into(self, kv: torch.Tensor, slots: np.ndarray, bufs: list[torch.Tensor], layer: int) -> None:
         """Copy the KV of ``slots`` into layer ``layer`` of consecutive chunk buffers ``bufs``."""
-        t = torch.from_numpy(slots).to(kv.device, non_blocking=True)
-        gathered = kv[t // self.block_size, :, t % self.block_size]
-        first = 0
-        for buf in bufs:
-            rows = buf.shape[1]
-            buf[layer].copy_(gathered[first:first + rows], non_blocking=True)
-            first += rows
+        src = _ints(kv)
+        dsts = [_ints(b)[layer] for b in bufs]
+        edges = np.cumsum([0] + [b.shape[1] for b in bufs])
+        for pos, block, off, n in _runs(slots, self.block_size, cuts=edges[1:-1]):
+            i = int(np.searchsorted(edges, pos, side="right")) - 1
+            r = pos - int(edges[i])
+            dsts[i][r:r + n] = src[block, :, off:off + n].transpose(1, 0, 2)
 
     def reset(self) -> None:
         """A new step's load starts."""
 
     def layer_loaded(self, layer: int) -> None:
-        """All of layer ``layer``'s scatters of this step are issued (-1: the whole load is)."""
+        """All of layer ``layer``'s copies of this step are issued (-1: the whole load is)."""
 
     def before_layer(self, layer: int) -> None:
         """Called on the compute thread before layer ``layer`` reads its cache."""
@@ -83,23 +99,32 @@ class CudaCopies(HostCopies):
         self.stream = torch.cuda.Stream(device=device)
         self._events: dict[int, torch.cuda.Event] = {}
 
-    def stage(self, view) -> torch.Tensor:
-        pinned = torch.empty(len(view), dtype=torch.uint8, pin_memory=True)
-        pinned.numpy()[:] = np.frombuffer(view, dtype=np.uint8)
-        return pinned
-
     def new_save_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def scatter(self, kv: torch.Tensor, slots: np.ndarray, src: torch.Tensor) -> None:
+    def load(self, kv: torch.Tensor, slots: np.ndarray, frame, row0: int) -> None:
+        pinned = torch.empty(len(frame), dtype=torch.uint8, pin_memory=True)
+        pinned.numpy()[:] = np.frombuffer(frame, dtype=np.uint8)
+        src = pinned.view(kv.dtype).view(-1, kv.shape[1], kv.shape[3])
+        if src.shape[0] < row0 + len(slots):
+            raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {row0 + len(slots)}")
+        bs = self.block_size
         with torch.cuda.stream(self.stream):
-            super().scatter(kv, slots, src)
+            dev = src[row0:row0 + len(slots)].to(kv.device, non_blocking=True)
+            for pos, block, off, n in _runs(slots, bs):
+                kv[block, :, off:off + n].copy_(dev[pos:pos + n].transpose(0, 1), non_blocking=True)
 
     def gather_into(self, kv: torch.Tensor, slots: np.ndarray, bufs: list[torch.Tensor], layer: int) -> None:
         # The layer was just written on the compute stream: order the side stream after it.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            super().gather_into(kv, slots, bufs, layer)
+            t = torch.from_numpy(slots).to(kv.device, non_blocking=True)
+            gathered = kv[t // self.block_size, :, t % self.block_size]
+            first = 0
+            for buf in bufs:
+                rows = buf.shape[1]
+                buf[layer].copy_(gathered[first:first + rows], non_blocking=True)
+                first += rows
 
     def layer_loaded(self, layer: int) -> None:
         event = torch.cuda.Event()
@@ -108,7 +133,7 @@ class CudaCopies(HostCopies):
 
     def before_layer(self, layer: int) -> None:
         # A layer whose load failed part-way has no event of its own: wait for the whole load,
-        # so no late scatter can land on blocks vLLM is recomputing.
+        # so no late copy can land on blocks vLLM is recomputing.
         event = self._events.pop(layer, None) or self._events.get(-1)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
@@ -123,12 +148,6 @@ class CudaCopies(HostCopies):
 
     def reset(self) -> None:
         self._events.clear()
-
-
-def _whole_blocks(slots: np.ndarray, bs: int) -> bool:
-    n = len(slots)
-    return (n > 0 and n % bs == 0 and slots[0] % bs == 0
-            and not (slots.reshape(-1, bs) - slots[::bs, None] != np.arange(bs)).any())
 
 
 def copies_for(kv: torch.Tensor, block_size: int) -> HostCopies:

@@ -97,13 +97,8 @@ class _LoadJob:
     def _scatter(self, layer: int, i: int, view) -> None:
         w = self.worker
         req, first, lo, hi = self._tokens(i)
-        if hi <= lo:
-            return
-        # One copy out of the (read-only) socket frame, then a scatter through the slot mapping.
-        src = w.copies.stage(view).view(w.dtype).view(-1, *w.token_shape)  # a partial chunk has fewer rows
-        if src.shape[0] < hi - first:
-            raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {hi - first}")
-        w.copies.scatter(w.kv_caches[w.layer_names[layer]], req.slot_mapping[lo:hi], src[lo - first:hi - first])
+        if hi > lo:  # straight from the (read-only) socket frame into the paged cache
+            w.copies.load(w.kv_caches[w.layer_names[layer]], req.slot_mapping[lo:hi], view, lo - first)
 
     def _fail(self, i: int) -> None:
         req, _, lo, hi = self._tokens(i)
