@@ -31,9 +31,10 @@ def _ints(t: torch.Tensor) -> np.ndarray:
     return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
 
 
-def _runs(slots: np.ndarray, bs: int, cuts=()) -> list[tuple[int, int, int, int]]:
+def slot_runs(slots: np.ndarray, bs: int, cuts=()) -> list[tuple[int, int, int, int]]:
     """Split ``slots`` into runs of consecutive slots inside one block (and at ``cuts``):
-    ``(position in slots, block, offset in block, length)``."""
+    ``(position in slots, block, offset in block, length)``.  The same for every layer, so
+    callers compute it once per chunk or save, not per layer."""
     n = len(slots)
     if n == 0:
         return []
@@ -42,6 +43,21 @@ def _runs(slots: np.ndarray, bs: int, cuts=()) -> list[tuple[int, int, int, int]
     starts = [0, *sorted(brk)]
     ends = [*starts[1:], n]
     return [(s, int(slots[s]) // bs, int(slots[s]) % bs, e - s) for s, e in zip(starts, ends)]
+
+
+def buffer_runs(slots: np.ndarray, bs: int, rows: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """``slot_runs`` of a save whose tokens fill consecutive chunk buffers of ``rows`` tokens:
+    ``(buffer, row in buffer, block, offset in block, length)``."""
+    edges = np.cumsum([0, *rows])
+    runs = []
+    for pos, block, off, n in slot_runs(slots, bs, cuts=edges[1:-1]):
+        i = int(np.searchsorted(edges, pos, side="right")) - 1
+        runs.append((i, pos - int(edges[i]), block, off, n))
+    return runs
+
+
+def _rows_needed(runs: list[tuple[int, int, int, int]], row0: int) -> int:
+    return row0 + (runs[-1][0] + runs[-1][3] if runs else 0)
 
 
 class HostCopies:
@@ -53,24 +69,22 @@ class HostCopies:
     def new_save_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def load(self, kv: torch.Tensor, slots: np.ndarray, frame, row0: int) -> None:
-        """Write rows ``[row0, row0 + len(slots))`` of ``frame`` (one chunk layer, ``[tokens, H, C]``)
-        to ``slots`` of one layer's cache ``kv``; ``ValueError`` if the frame is too short."""
+    def load(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int]], frame, row0: int) -> None:
+        """Write rows ``row0 + pos ..`` of ``frame`` (one chunk layer, ``[tokens, H, C]``) to the
+        slot ``runs`` of one layer's cache ``kv``; ``ValueError`` if the frame is too short."""
         dst = _ints(kv)
         src = np.frombuffer(frame, dtype=dst.dtype).reshape(-1, kv.shape[1], kv.shape[3])
-        if src.shape[0] < row0 + len(slots):
-            raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {row0 + len(slots)}")
-        for pos, block, off, n in _runs(slots, self.block_size):
+        if src.shape[0] < _rows_needed(runs, row0):
+            raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {_rows_needed(runs, row0)}")
+        for pos, block, off, n in runs:
             dst[block, :, off:off + n] = src[row0 + pos:row0 + pos + n].transpose(1, 0, 2)
 
-    def gather_into(self, kv: torch.Tensor, slots: np.ndarray, bufs: list[torch.Tensor], layer: int) -> None:
-        """Copy the KV of ``slots`` into layer ``layer`` of consecutive chunk buffers ``bufs``."""
+    def gather_into(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int, int]], bufs: list[torch.Tensor],
+                    layer: int) -> None:
+        """Copy the KV of the ``buffer_runs`` into layer ``layer`` of the chunk buffers ``bufs``."""
         src = _ints(kv)
         dsts = [_ints(b)[layer] for b in bufs]
-        edges = np.cumsum([0] + [b.shape[1] for b in bufs])
-        for pos, block, off, n in _runs(slots, self.block_size, cuts=edges[1:-1]):
-            i = int(np.searchsorted(edges, pos, side="right")) - 1
-            r = pos - int(edges[i])
+        for i, r, block, off, n in runs:
             dsts[i][r:r + n] = src[block, :, off:off + n].transpose(1, 0, 2)
 
     def reset(self) -> None:
@@ -102,29 +116,25 @@ class CudaCopies(HostCopies):
     def new_save_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def load(self, kv: torch.Tensor, slots: np.ndarray, frame, row0: int) -> None:
+    def load(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int]], frame, row0: int) -> None:
         pinned = torch.empty(len(frame), dtype=torch.uint8, pin_memory=True)
         pinned.numpy()[:] = np.frombuffer(frame, dtype=np.uint8)
         src = pinned.view(kv.dtype).view(-1, kv.shape[1], kv.shape[3])
-        if src.shape[0] < row0 + len(slots):
-            raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {row0 + len(slots)}")
-        bs = self.block_size
+        needed = _rows_needed(runs, row0)
+        if src.shape[0] < needed:
+            raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {needed}")
         with torch.cuda.stream(self.stream):
-            dev = src[row0:row0 + len(slots)].to(kv.device, non_blocking=True)
-            for pos, block, off, n in _runs(slots, bs):
+            dev = src[row0:needed].to(kv.device, non_blocking=True)
+            for pos, block, off, n in runs:
                 kv[block, :, off:off + n].copy_(dev[pos:pos + n].transpose(0, 1), non_blocking=True)
 
-    def gather_into(self, kv: torch.Tensor, slots: np.ndarray, bufs: list[torch.Tensor], layer: int) -> None:
+    def gather_into(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int, int]], bufs: list[torch.Tensor],
+                    layer: int) -> None:
         # The layer was just written on the compute stream: order the side stream after it.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            t = torch.from_numpy(slots).to(kv.device, non_blocking=True)
-            gathered = kv[t // self.block_size, :, t % self.block_size]
-            first = 0
-            for buf in bufs:
-                rows = buf.shape[1]
-                buf[layer].copy_(gathered[first:first + rows], non_blocking=True)
-                first += rows
+            for i, r, block, off, n in runs:
+                bufs[i][layer, r:r + n].copy_(kv[block, :, off:off + n].transpose(0, 1), non_blocking=True)
 
     def layer_loaded(self, layer: int) -> None:
         event = torch.cuda.Event()

@@ -27,6 +27,7 @@ class RequestTracker:
     saved_chunks: int  # whole chunks known to be in the cluster (hit or saved)
     request: object = None  # vLLM's Request (its all_token_ids grow while decoding)
     tail_done: bool = False  # the prompt's partial last chunk was hit, saved or is not wanted
+    namespace: str = ""  # the request's key namespace (model, layout, cache_salt), tagged on its saves
 
 
 def _mm_spans(request) -> list[MMSpan]:
@@ -87,9 +88,11 @@ class SchedulerSide:
             keys, hit, _ = self._lookups.pop(new.req_id, ([], 0, 0))
             prompt_len = len(new.prompt_token_ids or [])
             whole = prompt_len // self.chunk
+            request = self._requests.get(new.req_id)
             tracker = RequestTracker(new.req_id, prompt_len, keys, list(new.block_ids[0]),
-                                     saved_chunks=min(hit, whole), request=self._requests.get(new.req_id),
-                                     tail_done=hit > whole or len(keys) == whole)
+                                     saved_chunks=min(hit, whole), request=request,
+                                     tail_done=hit > whole or len(keys) == whole,
+                                     namespace=self.layout.namespace(getattr(request, "cache_salt", None)))
             self._trackers[new.req_id] = tracker
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._plan(meta, tracker, self._pending_load.pop(new.req_id, None), done)
@@ -140,10 +143,7 @@ class SchedulerSide:
             keys, end = keys + [tracker.keys[full]], tracker.prompt_len
             tracker.tail_done = True
         tracker.saved_chunks = max(tracker.saved_chunks, full)
-        if not keys:
-            return None
-        salt = getattr(tracker.request, "cache_salt", None) if tracker.request is not None else None
-        return SaveSpec(keys, start, end, self.layout.namespace(salt))
+        return SaveSpec(keys, start, end, tracker.namespace) if keys else None
 
     def request_finished(self, request) -> None:
         for table in (self._lookups, self._pending_load, self._trackers, self._requests):

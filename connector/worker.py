@@ -28,7 +28,7 @@ import torch
 from kvring.cachenode import ClusterClient
 
 from .config import ConnectorConfig
-from .copies import copies_for
+from .copies import buffer_runs, copies_for, slot_runs
 from .metadata import KVRingMetadata, ReqMeta
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,6 @@ class _LoadJob:
 
     def __init__(self, worker: WorkerSide, requests: list[ReqMeta]) -> None:
         self.worker = worker
-        self.requests = requests
         self.layer_done = [threading.Event() for _ in worker.layer_names]
         self.failed_blocks: set[int] = set()
         self.started = time.perf_counter()
@@ -51,6 +50,7 @@ class _LoadJob:
         # One flat key list over all requests; owner[i] = (request, chunk index in its load).
         self.keys: list[bytes] = []
         self.owner: list[tuple[ReqMeta, int]] = []
+        self._runs: dict[int, list] = {}  # chunk -> its slot runs (the same for every layer)
         for req in requests:
             for k, key in enumerate(req.load.keys):
                 self.keys.append(key)
@@ -97,8 +97,13 @@ class _LoadJob:
     def _scatter(self, layer: int, i: int, view) -> None:
         w = self.worker
         req, first, lo, hi = self._tokens(i)
-        if hi > lo:  # straight from the (read-only) socket frame into the paged cache
-            w.copies.load(w.kv_caches[w.layer_names[layer]], req.slot_mapping[lo:hi], view, lo - first)
+        if hi <= lo:
+            return
+        runs = self._runs.get(i)
+        if runs is None:
+            runs = self._runs[i] = slot_runs(req.slot_mapping[lo:hi], w.block_size)
+        # Straight from the (read-only) socket frame into the paged cache.
+        w.copies.load(w.kv_caches[w.layer_names[layer]], runs, view, lo - first)
 
     def _fail(self, i: int) -> None:
         req, _, lo, hi = self._tokens(i)
@@ -121,7 +126,8 @@ class WorkerSide:
         self._load: _LoadJob | None = None
         self._load_thread: threading.Thread | None = None
         self._failed: set[int] = set()
-        self._saves: dict[str, np.ndarray] = {}
+        # req -> (one layer-major buffer per chunk, the save's slot runs into them)
+        self._saves: dict[str, tuple[list[torch.Tensor], list]] = {}
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvring-save")
         self.saves_failed = 0
         self.chunks_saved = 0
@@ -170,9 +176,14 @@ class WorkerSide:
             return
         job.wait(self._layer_index[layer_name])
         self.copies.before_layer(self._layer_index[layer_name])
-        if self._layer_index[layer_name] == len(self.layer_names) - 1 and self._load_thread is not None:
+        if self._layer_index[layer_name] == len(self.layer_names) - 1:
+            self._join_load()
+
+    def _join_load(self) -> None:
+        """Wait for a layerwise load's thread and collect its failed blocks."""
+        if self._load_thread is not None:
             self._load_thread.join()
-            self._failed |= job.failed_blocks
+            self._failed |= self._load.failed_blocks
             self._load_thread = None
 
     def record_load(self, job: _LoadJob) -> None:
@@ -190,10 +201,7 @@ class WorkerSide:
                 logger.warning("cannot append load statistics to %s: %s", self.config.stats_path, exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._load_thread is not None:  # a step without attention calls: finish the load first
-            self._load_thread.join()
-            self._failed |= self._load.failed_blocks
-            self._load_thread = None
+        self._join_load()  # a step without attention calls: finish the load first
         failed, self._failed = self._failed, set()
         return failed
 
@@ -205,15 +213,16 @@ class WorkerSide:
             if req.save is None:
                 continue
             save = req.save
-            bufs = self._saves.get(req.req_id)
-            if bufs is None:  # one layer-major buffer per chunk; only the last may be partial
-                bufs = self._saves[req.req_id] = [
-                    self.copies.new_save_buffer(
-                        (len(self.layer_names), min(self.chunk, save.end - save.start - i * self.chunk),
-                         *self.token_shape), self.dtype) for i in range(len(save.keys))]
-            self.copies.gather_into(kv_layer, req.slot_mapping[save.start:save.end], bufs, layer)
+            if req.req_id not in self._saves:  # one layer-major buffer per chunk; only the last may be partial
+                rows = [min(self.chunk, save.end - save.start - i * self.chunk) for i in range(len(save.keys))]
+                bufs = [self.copies.new_save_buffer((len(self.layer_names), n, *self.token_shape), self.dtype)
+                        for n in rows]
+                runs = buffer_runs(req.slot_mapping[save.start:save.end], self.block_size, rows)
+                self._saves[req.req_id] = (bufs, runs)
+            bufs, runs = self._saves[req.req_id]
+            self.copies.gather_into(kv_layer, runs, bufs, layer)
             if layer == len(self.layer_names) - 1:
-                self._saver.submit(self._put, save.keys, self._saves.pop(req.req_id), self.copies.saved(),
+                self._saver.submit(self._put, save.keys, self._saves.pop(req.req_id)[0], self.copies.saved(),
                                    save.namespace)
 
     def _put(self, keys: list[bytes], bufs: list[torch.Tensor], copied=None, namespace: str = "") -> None:

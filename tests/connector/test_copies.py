@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvring.connector.copies import CudaCopies, HostCopies
+from kvring.connector.copies import CudaCopies, HostCopies, buffer_runs, slot_runs
 
 BS, H, C, BLOCKS = 16, 2, 8, 40
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -37,15 +37,16 @@ def test_load_and_gather_match_a_per_token_reference(device, lo, hi, row0):
 
     copies = _copies(device)
     dev_kv = kv.to(device)
-    copies.load(dev_kv, slots, frame, row0)
+    copies.load(dev_kv, slot_runs(slots, BS), frame, row0)
     copies.layer_loaded(0)
     copies.before_layer(0)
     assert torch.equal(_bits(dev_kv), _bits(expected))
 
     # Gather the same slots back into two chunk buffers (the second partial), layer 1 of 2.
     split = len(slots) // 2 + 1
-    bufs = [copies.new_save_buffer((2, n, H, C), torch.bfloat16) for n in (split, len(slots) - split)]
-    copies.gather_into(dev_kv, slots, bufs, layer=1)
+    rows = [split, len(slots) - split]
+    bufs = [copies.new_save_buffer((2, n, H, C), torch.bfloat16) for n in rows]
+    copies.gather_into(dev_kv, buffer_runs(slots, BS, rows), bufs, layer=1)
     copies.wait_saved(copies.saved())
     assert torch.equal(_bits(torch.cat([b[1] for b in bufs])), _bits(frame_rows[row0:]))
 
@@ -55,5 +56,5 @@ def test_a_frame_too_short_is_refused_and_nothing_is_written(device):
     kv = torch.zeros(BLOCKS, H, BS, C, dtype=torch.bfloat16, device=device)
     frame = memoryview(torch.ones(10, H, C, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
     with pytest.raises(ValueError, match="chunk holds 10 tokens, the load needs 16"):
-        _copies(device).load(kv, np.arange(16, 32), frame, 0)
+        _copies(device).load(kv, slot_runs(np.arange(16, 32), BS), frame, 0)
     assert not kv.any()
