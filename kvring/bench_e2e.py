@@ -34,7 +34,7 @@ from rich.table import Table
 
 from kvring.bench_dataplane import ChunkSpec, RawZmq
 from kvring.local import LocalCluster
-from kvring.report import write_outputs
+from kvring.report import grouped_bars, write_outputs
 
 MODES = ("layerwise", "bulk")
 
@@ -163,22 +163,9 @@ def _table(results: dict) -> Table:
 
 
 def _plot(results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = results["rows"]
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for off, label, values in ((-0.27, "recompute", [r["recompute_ttft"] for r in rows]),
-                               (0.0, "kvring layerwise", [r["layerwise"]["ttft"] for r in rows]),
-                               (0.27, "kvring bulk", [r["bulk"]["ttft"] for r in rows])):
-        ax.bar(x + off, values, 0.27, label=label)
-    ax.set_yscale("log")
-    ax.set_xticks(x, [f"{r['tokens']} tokens" for r in rows])
-    ax.set_ylabel("time to first token (s, log)")
-    ax.set_title("vLLM (CPU): loaded from kvring vs recomputed")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    grouped_bars(path, [f"{r['tokens']} tokens" for r in rows],
+                 {"recompute": [r["recompute_ttft"] for r in rows],
+                  "kvring layerwise": [r["layerwise"]["ttft"] for r in rows],
+                  "kvring bulk": [r["bulk"]["ttft"] for r in rows]},
+                 "time to first token (s, log)", "vLLM (CPU): loaded from kvring vs recomputed", log=True)

@@ -24,7 +24,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvring.local import LocalCluster
-from kvring.report import write_outputs
+from kvring.report import grouped_bars, write_outputs
 
 
 def workload(prefix_tokens: int, suffix_tokens: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -82,18 +82,7 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
 
 
 def _plot(results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = results["rows"]
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(x - 0.2, [r["ttft_recompute"] for r in rows], 0.4, label="recompute")
-    ax.bar(x + 0.2, [r["ttft_b"] for r in rows], 0.4, label="loaded from kvring")
-    ax.set_xticks(x, [f"prompt {r['prompt']}\n{r['tokens']} tokens" for r in rows])
-    ax.set_ylabel("time to first token (s)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    grouped_bars(path, [f"prompt {r['prompt']}\n{r['tokens']} tokens" for r in rows],
+                 {"recompute": [r["ttft_recompute"] for r in rows],
+                  "loaded from kvring": [r["ttft_b"] for r in rows]}, "time to first token (s)")

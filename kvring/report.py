@@ -20,3 +20,28 @@ def write_outputs(console: Console, results: dict, json_out: Path | None, plot: 
         plot.parent.mkdir(parents=True, exist_ok=True)
         draw(results, plot)
         console.print(f"plot written to {plot}")
+
+
+def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float]], ylabel: str,
+                 title: str | None = None, log: bool = False) -> None:
+    """A PNG of one bar per series in each group (e.g. recompute vs loaded, per prompt)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    x = np.arange(len(groups))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for j, (label, values) in enumerate(series.items()):
+        ax.bar(x + (j - (len(series) - 1) / 2) * width, values, width, label=label)
+    if log:
+        ax.set_yscale("log")
+    ax.set_xticks(x, groups)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
