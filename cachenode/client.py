@@ -23,6 +23,7 @@ namespace (``namespace=``); ``flush_namespace`` deletes one namespace on every m
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -434,6 +435,18 @@ class ClusterClient:
         if not keys:
             return []
         return self._call(self._lookup(list(keys), lease_ms), timeout=self.timeout * 3 + 1)
+
+    def lookup_async(self, keys: Sequence[bytes], lease_ms: int = 0) -> concurrent.futures.Future:
+        """``lookup`` without waiting: a future of the presence list, resolved on the I/O loop.
+
+        Runs on the client's loop (no thread of the caller's is held); the future fails with
+        ``KVRingError`` if the lookup cannot be routed.  Cancelling it cancels the lookup.
+        """
+        if not keys:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result([])
+            return done
+        return asyncio.run_coroutine_threadsafe(self._lookup(list(keys), lease_ms), self._loop)
 
     def lookup_prefix(self, keys: Sequence[bytes], lease_ms: int = 0) -> int:
         """How many leading keys of a chain are all present."""

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-LOAD_MODES = ("layerwise", "bulk")
+LOAD_MODES = ("layerwise", "bulk", "async")
+ADAPTER_IDENTITIES = ("content", "name")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -24,7 +25,8 @@ class ConnectorConfig:
     etcd: str
     # Cluster name: the key prefix in etcd.
     cluster: str = "default"
-    # layerwise: load layer l+1.. while layer l computes; bulk: load all layers before the forward.
+    # layerwise: load layer l+1.. while layer l computes; bulk: load all layers before the forward;
+    # async: load between steps while the request waits (a slow load delays that request only).
     load_mode: str = "layerwise"
     # Also save a prompt's last, partial chunk (LMCache's save_unfull_chunk).  It is keyed by its
     # exact tokens, so it only hits for a prompt that ends where the stored one ended (a repeat).
@@ -36,6 +38,24 @@ class ConnectorConfig:
     timeout: float = 5.0
     # How long a lookup protects the chunks it found from eviction, in milliseconds.
     lookup_lease_ms: int = 30_000
+    # A request whose lookup has not answered this many milliseconds after it arrived is a miss
+    # (recomputed): a hung or slow node delays the requests whose chunks it owns by at most this.
+    lookup_deadline_ms: float = 250.0
+    # The scheduler may wait this long per step, in total, for lookups already in flight, so a
+    # request is not put off a whole step for a lookup that answers in a millisecond (0: never).
+    lookup_wait_ms: float = 2.0
+    # async mode: abandon a load (its blocks recompute) after this many milliseconds; 0 = twice
+    # the predicted recompute time, within [200 ms, timeout].
+    load_deadline_ms: float = 0.0
+    # Do not start a load that is predicted to take longer than recomputing its tokens (from
+    # the load bandwidth and the prefill speed this instance measured).
+    load_admission: bool = True
+    # How a LoRA adapter is named in chunk keys: "content" (a digest of its files) or "name"
+    # (its lora_name; give each version of an adapter its own name).
+    adapter_identity: str = "content"
+    # Your name for the model's weights (checkpoint step, revision), folded into every key:
+    # instances serving other weights under the same model name never share chunks.
+    weights_version: str = ""
     # Tokens per chunk; must equal the cluster's (None: take the cluster's).
     chunk_size: int | None = None
     # Append one JSON line per load (chunks, bytes, seconds) to this file ("": off);
@@ -53,6 +73,13 @@ class ConnectorConfig:
             raise ValueError(f"timeout must be positive seconds, got {self.timeout} (KVRING_TIMEOUT)")
         if self.lookup_lease_ms < 0:
             raise ValueError(f"lookup_lease_ms must be >= 0, got {self.lookup_lease_ms} (KVRING_LOOKUP_LEASE_MS)")
+        for name in ("lookup_deadline_ms", "lookup_wait_ms", "load_deadline_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 milliseconds, got {getattr(self, name)} "
+                                 f"(KVRING_{name.upper()})")
+        if self.adapter_identity not in ADAPTER_IDENTITIES:
+            raise ValueError(f"adapter_identity must be one of {ADAPTER_IDENTITIES}, got {self.adapter_identity!r} "
+                             "(kv_connector_extra_config 'adapter_identity' or KVRING_ADAPTER_IDENTITY)")
 
     @classmethod
     def from_sources(cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
@@ -95,3 +122,14 @@ def _convert(name: str, raw: Any, type_name: str) -> Any:
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a {type_name}, got {raw!r} (kv_connector_extra_config "
                          f"'{name}' or KVRING_{name.upper()})") from None
+
+
+def transfer_config(etcd: str, cluster: str, **extra: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object that points vLLM at a cluster (what ``kvring up`` prints).
+
+    ``kv_load_failure_policy: recompute``: a chunk that cannot be loaded is recomputed, never a
+    failed request.  ``extra`` adds connector settings (``load_mode``, ``chunk_size``, ...).
+    """
+    return {"kv_connector": "KVRingConnector", "kv_connector_module_path": "kvring.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"etcd": etcd, "cluster": cluster, **extra}}

@@ -14,7 +14,9 @@ import hashlib
 import logging
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvring.cachenode import ClusterClient, ContractMismatch
 from kvring.cachenode.hashing import FORMAT_VERSION, HASH_ALGORITHM
@@ -23,18 +25,21 @@ from .config import ConnectorConfig
 from .keys import KVLayout
 from .metadata import KVRingMetadata
 from .scheduler import SchedulerSide
+from .stats import KVRingPromMetrics, KVRingStats
 from .worker import WorkerSide
 
 logger = logging.getLogger(__name__)
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-def layout_from_vllm(vllm_config, chunk_size: int, tp_rank: int = 0) -> KVLayout:
+
+def layout_from_vllm(vllm_config, chunk_size: int, tp_rank: int = 0, weights_version: str = "") -> KVLayout:
     """The KV-compatibility namespace of this vLLM instance."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     hf = getattr(model, "hf_config", None)
-    fingerprint = hashlib.blake2b((hf.to_json_string() if hf is not None else model.model).encode(),
-                                  digest_size=16).hexdigest()
+    identity = (hf.to_json_string() if hf is not None else model.model) + f"\nrevision={model.revision}"
+    fingerprint = hashlib.blake2b(identity.encode(), digest_size=16).hexdigest()
     kv_dtype = vllm_config.cache_config.cache_dtype
     if kv_dtype == "auto":
         kv_dtype = str(model.dtype).removeprefix("torch.")
@@ -42,7 +47,38 @@ def layout_from_vllm(vllm_config, chunk_size: int, tp_rank: int = 0) -> KVLayout
         model=str(model.model), config_fingerprint=fingerprint, kv_dtype=str(kv_dtype),
         num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
         head_size=model.get_head_size(), block_layout="BHNC", chunk_size=chunk_size,
-        tp_size=parallel.tensor_parallel_size, tp_rank=tp_rank)
+        tp_size=parallel.tensor_parallel_size, tp_rank=tp_rank, weights_version=weights_version)
+
+
+def bytes_per_token(layout: KVLayout) -> int:
+    """KV bytes of one token across all layers (K and V)."""
+    return layout.num_layers * layout.num_kv_heads * layout.head_size * 2 * _DTYPE_BYTES.get(layout.kv_dtype, 1)
+
+
+def check_kv_groups(kv_cache_config) -> None:
+    """Refuse a model whose KV the connector cannot load correctly (``ValueError`` saying why).
+
+    kvring stores every layer of a token range as one chunk and loads it into one block table.
+    Models with several KV-cache groups (sliding-window next to full-attention layers, SSM
+    state, ...) have a block table per group, and vLLM cannot take block-level load failures
+    for them; MLA caches have another shape.  Serving such a model through the connector
+    would risk wrong KV, so it is refused at start rather than run wrongly.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    problems = []
+    if len(groups) > 1:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        problems.append(f"{len(groups)} KV-cache groups ({', '.join(kinds)}: e.g. sliding-window layers next to "
+                        "full-attention ones), and kvring loads one block table per chunk")
+    for g in groups:
+        spec = g.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+            problems.append(f"layers {g.layer_names[:2]}... use {type(spec).__name__}, kvring loads full-attention "
+                            "KV only")
+            break
+    if problems:
+        raise ValueError("KVRingConnector cannot serve this model without risking wrong KV: " + "; ".join(problems)
+                         + ". Serve it without --kv-transfer-config (vLLM's hybrid KV manager stays on).")
 
 
 def connect(config: ConnectorConfig) -> ClusterClient:
@@ -78,16 +114,22 @@ def _recompute_on_load_failure(kv_transfer_config) -> None:
         kv_transfer_config.kv_load_failure_policy = "recompute"
 
 
-class KVRingConnector(KVConnectorBase_V1):
+class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
+    # Hits are fetched over the network from the cluster's nodes (other machines' memory).
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_sources(self._kv_transfer_config.kv_connector_extra_config)
+        if kv_cache_config is not None:
+            check_kv_groups(kv_cache_config)
         _recompute_on_load_failure(self._kv_transfer_config)
         self.client = connect(self.config)
         chunk = self.client.contract.chunk_size
         block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, layout_from_vllm(vllm_config, chunk), self.client, block_size)
+            layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version)
+            self._scheduler = SchedulerSide(self.config, layout, self.client, block_size, bytes_per_token(layout))
             self._worker = None
         else:
             self._scheduler = None
@@ -120,8 +162,32 @@ class KVRingConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
+
+    # ---- both sides: vLLM's metrics ---------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVRingStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        return side.counters.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVRingStats:
+        return KVRingStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVRingPromMetrics:
+        return KVRingPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load / save_kv_layer run between layers: they cannot be captured in a
+        # whole-model CUDA graph.  Bulk and async loads happen outside the forward, but saves
+        # are layerwise in every mode.
+        return True
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -129,6 +195,9 @@ class KVRingConnector(KVConnectorBase_V1):
         self.client.close()
 
     # ---- scheduler side -------------------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -139,6 +208,19 @@ class KVRingConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVRingMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.request_finished(request)
         return False, None
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        # check_kv_groups admits one group only; saves copy blocks out during the forward, so
+        # nothing holds them once the request ends.
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+    def reset_cache(self) -> bool | None:
+        if self._scheduler is None:
+            return None
+        return self._scheduler.reset_cache()

@@ -103,6 +103,13 @@ class HostCopies:
     def wait_saved(self, handle) -> None:
         """Block until the copies behind ``handle`` are in host memory."""
 
+    def synchronize(self) -> None:
+        """Block until every copy issued so far has landed (an async load before it is reported)."""
+
+    def order_saves_before_reuse(self) -> None:
+        """``wait_for_save``: work vLLM issues after this (a later step writing these blocks)
+        runs after every save copy issued so far has read them."""
+
 
 class CudaCopies(HostCopies):
     """Pinned host staging, copies on a side stream, ordered with compute by CUDA events."""
@@ -155,6 +162,13 @@ class CudaCopies(HostCopies):
 
     def wait_saved(self, handle) -> None:
         handle.synchronize()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def order_saves_before_reuse(self) -> None:
+        # On the GPU, not the host: the compute stream waits for the side stream's save copies.
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def reset(self) -> None:
         self._events.clear()

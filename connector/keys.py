@@ -1,9 +1,19 @@
-"""Chunk keys for vLLM requests: the namespace folds in everything that makes KV incompatible.
+"""Chunk keys for vLLM requests: everything that changes a chunk's KV is in its key.
 
-Two processes compute the same keys for the same tokens exactly when they run the same model
-(name and config fingerprint) with the same KV layout (dtype, layers, KV heads, head size,
-block layout, chunk size, tensor-parallel layout) and the request has the same ``cache_salt``.
-Multimodal item hashes replace the placeholder tokens they cover, chunk by chunk.
+A chunk's key is a chained hash (``kvring.cachenode.hashing.chained_hashes``) whose root, the
+*namespace*, folds in:
+
+- the instance's ``KVLayout``: model name, config fingerprint, ``weights_version``, KV dtype,
+  layers, KV heads, head size, block layout, chunk size, tensor-parallel layout;
+- the request's ``KeyScope``: its ``cache_salt`` (tenant isolation), its LoRA adapter's
+  identity (the digest of the adapter's files, or a name + version the user controls — never
+  vLLM's per-process integer id) and the instance's weights epoch (advanced by
+  ``reset_cache()``, which vLLM calls after an in-place weight update).
+
+and each chunk's extras fold in what replaces its tokens: multimodal item hashes at their
+positions, and the digest of the prompt embeddings it covers.  So two processes compute the
+same keys exactly when the same model, layout, adapter, weights and inputs would compute the
+same KV.
 """
 
 from __future__ import annotations
@@ -20,10 +30,10 @@ from kvring.cachenode.hashing import ChunkHash, chained_hashes
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What a chunk's bytes depend on, besides its tokens."""
+    """What a chunk's bytes depend on, besides its tokens: fixed for one vLLM instance."""
 
     model: str
-    config_fingerprint: str  # hash of the model's config / weights revision
+    config_fingerprint: str  # hash of the model's config and revision
     kv_dtype: str
     num_layers: int
     num_kv_heads: int
@@ -32,13 +42,27 @@ class KVLayout:
     chunk_size: int
     tp_size: int = 1
     tp_rank: int = 0
+    weights_version: str = ""  # the user's name for the weights (checkpoint step, revision)
 
-    def namespace(self, cache_salt: str | None = None) -> str:
-        """The chain's root string; ``cache_salt`` isolates tenants completely."""
+    def namespace(self, scope: KeyScope | None = None) -> str:
+        """The chain's root string for requests of ``scope``."""
         fields = asdict(self)
-        fields["cache_salt"] = cache_salt or ""
+        if not fields["weights_version"]:
+            del fields["weights_version"]  # keys of instances without one are unchanged
+        fields.update(asdict(scope or KeyScope()))
+        if not fields["adapter"] and not fields["weights_epoch"]:
+            del fields["adapter"], fields["weights_epoch"]
         return "kvring/v1/" + hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(),
                                               digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeyScope:
+    """A request's inputs that change the KV of every one of its chunks."""
+
+    cache_salt: str = ""
+    adapter: str = ""  # LoRA adapter identity ("" = the base model); see ``adapters.py``
+    weights_epoch: int = 0  # how many times this instance's weights were replaced in place
 
 
 @dataclass(frozen=True)
@@ -50,15 +74,17 @@ class MMSpan:
     item_hash: str
 
 
-def request_keys(layout: KVLayout, token_ids: Sequence[int], cache_salt: str | None = None,
-                 mm_spans: Sequence[MMSpan] = (), full_chunks_only: bool = True) -> list[ChunkHash]:
+def request_keys(layout: KVLayout, token_ids: Sequence[int], scope: KeyScope | None = None,
+                 mm_spans: Sequence[MMSpan] = (), embed_digests: Sequence[bytes] | None = None,
+                 full_chunks_only: bool = True) -> list[ChunkHash]:
     """Chained keys of a request's chunks (only whole chunks unless ``full_chunks_only=False``).
 
     Each chunk's extras are the hashes of the multimodal items overlapping it, with the
-    overlap's position, so identical placeholder tokens with different images never collide.
+    overlap's position, so identical placeholder tokens with different images never collide,
+    and ``embed_digests[c]``, the digest of the prompt embeddings chunk ``c`` covers.
     """
     extras = None
-    if mm_spans:
+    if mm_spans or embed_digests:
         n = -(-len(token_ids) // layout.chunk_size)
         per_chunk: list[list[str]] = [[] for _ in range(n)]
         for span in mm_spans:
@@ -66,6 +92,8 @@ def request_keys(layout: KVLayout, token_ids: Sequence[int], cache_salt: str | N
             last = min((span.offset + span.length - 1) // layout.chunk_size, n - 1)
             for c in range(first, last + 1):
                 per_chunk[c].append(f"{span.item_hash}@{span.offset - c * layout.chunk_size}+{span.length}")
+        for c, digest in enumerate((embed_digests or [])[:n]):
+            per_chunk[c].append(f"embeds:{digest.hex()}")
         extras = ["|".join(items).encode() for items in per_chunk]
-    return chained_hashes(layout.namespace(cache_salt), np.asarray(token_ids, dtype=np.int64),
+    return chained_hashes(layout.namespace(scope), np.asarray(token_ids, dtype=np.int64),
                           layout.chunk_size, full_chunks_only=full_chunks_only, extras=extras)

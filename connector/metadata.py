@@ -16,6 +16,10 @@ class LoadSpec:
     start: int  # first token of the first chunk (vLLM's cached prefix rounded down to a chunk)
     write_from: int  # first token actually written (tokens before it are already in vLLM)
     end: int  # one past the last token to write (at most the prompt length - 1)
+    # async mode: load between steps while the request waits (done through get_finished), and
+    # abandon the load (its blocks recompute) after this many seconds.
+    asynchronous: bool = False
+    deadline_s: float = 0.0
 
 
 @dataclass

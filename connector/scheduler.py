@@ -1,19 +1,48 @@
-"""Scheduler side: chunk keys, prefix lookups, and the per-step load/save plan."""
+"""Scheduler side: chunk keys, prefix lookups that never hold the scheduler, the per-step plan.
+
+Everything here runs on vLLM's scheduler thread; lookups travel on the cluster client's I/O
+loop.  A request's lookup goes out when it arrives (``on_new_request``, or the first
+``get_num_new_matched_tokens`` of a request that is back after a preemption) and its answer
+is kept until the request is scheduled, however often vLLM asks.  While the answer is out,
+``get_num_new_matched_tokens`` answers ``None`` (vLLM asks again next step), after waiting at
+most ``lookup_wait_ms`` per step in total; a lookup not answered ``lookup_deadline_ms`` after it
+went out is a miss, so a hung node delays only the requests whose chunks it owns, and only
+that long.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvring.cachenode import ClusterClient, KVRingError
+from kvring.cachenode import ClusterClient
 
+from .adapters import AdapterIdentities
+from .admission import LoadCostModel
 from .config import ConnectorConfig
-from .keys import KVLayout, MMSpan, request_keys
+from .keys import KVLayout
 from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
+from .request_inputs import RequestInputs, read_request
+from .stats import Counters
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Lookup:
+    """One request's prefix lookup: in flight until ``hit_chunks`` is set."""
+
+    inputs: RequestInputs | None  # None: the request's keys could not be made (it recomputes)
+    keys: list[bytes]
+    sent: float  # time.monotonic() when it went out
+    future: concurrent.futures.Future | None = None
+    hit_chunks: int | None = None  # leading chunks present in the cluster
+    hit_tokens: int = 0  # what vLLM was told it can load, counted from the prompt's start
+    counted: bool = False  # its tokens are in the hit-rate counters
 
 
 @dataclass
@@ -25,74 +54,166 @@ class RequestTracker:
     keys: list[bytes]  # keys of the prompt's whole chunks (then decode chunks), maybe a partial last
     block_ids: list[int]
     saved_chunks: int  # whole chunks known to be in the cluster (hit or saved)
+    inputs: RequestInputs | None = None
     request: object = None  # vLLM's Request (its all_token_ids grow while decoding)
     tail_done: bool = False  # the prompt's partial last chunk was hit, saved or is not wanted
-    namespace: str = ""  # the request's key namespace (model, layout, cache_salt), tagged on its saves
+    namespace: str = ""  # the request's key namespace, tagged on its saves (flushable as one)
 
 
-def _mm_spans(request) -> list[MMSpan]:
-    spans = []
-    for f in getattr(request, "mm_features", None) or []:
-        pos = getattr(f, "mm_position", None)
-        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
-        if pos is not None and ident:
-            spans.append(MMSpan(offset=int(pos.offset), length=int(pos.length), item_hash=str(ident)))
-    return spans
+@dataclass
+class _StepClock:
+    wait_left: float = 0.0  # seconds this step may still wait for lookups in flight
+    loads: list[str] = field(default_factory=list)
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, layout: KVLayout, client: ClusterClient, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, layout: KVLayout, client: ClusterClient, block_size: int,
+                 bytes_per_token: int) -> None:
         self.config = config
         self.layout = layout
         self.client = client
         self.block_size = block_size
         self.chunk = layout.chunk_size
-        self._lookups: dict[str, tuple[list[bytes], int, int]] = {}  # req -> (keys, hit chunks, hit tokens)
+        self.adapters = AdapterIdentities(config.adapter_identity)
+        self.weights_epoch = 0
+        self.counters = Counters()
+        self.cost = LoadCostModel(bytes_per_token, config.timeout, config.load_deadline_ms / 1000)
+        self._lookups: dict[str, Lookup] = {}
         self._pending_load: dict[str, LoadSpec] = {}
+        self._async_loads: dict[str, tuple[LoadSpec, list[int]]] = {}  # req -> (load, its blocks)
         self._trackers: dict[str, RequestTracker] = {}
         self._requests: dict[str, object] = {}
+        self._step = _StepClock(config.lookup_wait_ms / 1000)
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        tokens = list(request.prompt_token_ids or [])
+    # ---- lookups --------------------------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        start = time.perf_counter()
         self._requests[request.request_id] = request
-        keys = request_keys(self.layout, tokens, getattr(request, "cache_salt", None), _mm_spans(request),
-                            full_chunks_only=not self.config.save_unfull_chunk)
+        self._lookups[request.request_id] = self._send_lookup(request)
+        self.counters.add(scheduler_hook_seconds=time.perf_counter() - start)
+
+    def _send_lookup(self, request) -> Lookup:
+        now = time.monotonic()
         try:
-            hit = self.client.lookup_prefix(keys, lease_ms=self.config.lookup_lease_ms) if keys else 0
-        except KVRingError as exc:
-            logger.warning("kvring lookup failed, recomputing: %s", exc)
-            hit = 0
+            inputs = read_request(request, self.layout, self.adapters, self.weights_epoch)
+        except OSError as exc:
+            logger.warning("kvring: request %s recomputes, its keys cannot be made: %s", request.request_id, exc)
+            return Lookup(None, [], now, hit_chunks=0)
+        keys = inputs.keys(self.layout, full_chunks_only=not self.config.save_unfull_chunk)
+        if not keys:
+            return Lookup(inputs, keys, now, hit_chunks=0)
+        self.counters.add(lookups=1)
+        return Lookup(inputs, keys, now, self.client.lookup_async(keys, lease_ms=self.config.lookup_lease_ms))
+
+    def _answer(self, req_id: str, lookup: Lookup) -> int | None:
+        """Leading chunks present, or ``None`` while the lookup is in flight (within its deadline)."""
+        if lookup.hit_chunks is not None:
+            return lookup.hit_chunks
+        fut = lookup.future
+        left = self.config.lookup_deadline_ms / 1000 - (time.monotonic() - lookup.sent)
+        if not fut.done() and self._step.wait_left > 0 and left > 0:
+            t0 = time.monotonic()
+            concurrent.futures.wait([fut], timeout=min(self._step.wait_left, left))
+            self._step.wait_left -= time.monotonic() - t0
+        if fut.done():
+            try:
+                present = fut.result()
+            except Exception as exc:  # the cluster could not answer: a miss, never an error in vLLM
+                logger.warning("kvring lookup for request %s failed, recomputing: %s", req_id, exc)
+                self.counters.add(lookup_errors=1)
+                present = []
+            lookup.hit_chunks = next((i for i, hit in enumerate(present) if not hit), len(present))
+        elif time.monotonic() - lookup.sent >= self.config.lookup_deadline_ms / 1000:
+            fut.cancel()
+            self.counters.add(lookups_past_deadline=1)
+            logger.warning("kvring lookup for request %s not answered within %.0f ms; recomputing it",
+                           req_id, self.config.lookup_deadline_ms)
+            lookup.hit_chunks = 0
+        return lookup.hit_chunks
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        start = time.perf_counter()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            self.counters.add(scheduler_hook_seconds=time.perf_counter() - start)
+
+    def _matched(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        lookup = self._lookups.get(req_id)
+        lease_s = self.config.lookup_lease_ms / 1000
+        if lookup is None or (lookup.hit_chunks and lease_s and time.monotonic() - lookup.sent > lease_s / 2):
+            # New here (back after a preemption), or its answer is old enough for its lease to
+            # lapse while it waits for blocks: ask again.
+            self._requests[req_id] = request
+            lookup = self._lookups[req_id] = self._send_lookup(request)
+        hit = self._answer(req_id, lookup)
+        if hit is None:
+            return None, False
+        n_tokens = len(lookup.inputs.tokens) if lookup.inputs is not None else 0
         # A partial last chunk (save_unfull_chunk) covers only the prompt's remaining tokens.
-        hit_tokens = min(hit * self.chunk, len(tokens))
+        hit_tokens = min(hit * self.chunk, n_tokens)
         # At least the last prompt token is always computed, and vLLM takes external hits in
         # whole blocks: a full hit loads up to the last block boundary before the last token.
-        hit_tokens = min(hit_tokens, (len(tokens) - 1) // self.block_size * self.block_size)
-        self._lookups[request.request_id] = (keys, hit, hit_tokens)
+        hit_tokens = min(hit_tokens, (n_tokens - 1) // self.block_size * self.block_size)
+        lookup.hit_tokens = 0
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        return hit_tokens - num_computed_tokens, False
+        new = hit_tokens - num_computed_tokens
+        if self.config.load_admission:
+            decision = self.cost.decide(new)
+            if not decision.admit:
+                self.counters.add(loads_refused=1)
+                logger.info("kvring: request %s recomputes %d tokens instead of loading them (load %.3f s "
+                            "predicted, recompute %.3f s)", req_id, new, decision.load_s, decision.recompute_s)
+                return 0, False
+        lookup.hit_tokens = hit_tokens
+        return new, self.config.load_mode == "async"
+
+    # ---- allocation and the step plan -------------------------------------------------------
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
+        lookup = self._lookups.get(request.request_id)
+        if lookup is not None and not lookup.counted and lookup.inputs is not None:
+            lookup.counted = True
+            self.counters.add(queried_tokens=len(lookup.inputs.tokens), hit_tokens=max(num_external_tokens, 0))
+        if num_external_tokens <= 0 or lookup is None:
             return
-        keys, _, hit_tokens = self._lookups[request.request_id]
+        hit_tokens = lookup.hit_tokens
         vllm_cached = hit_tokens - num_external_tokens
         start = vllm_cached // self.chunk * self.chunk  # round down to a chunk boundary
         last = -(-hit_tokens // self.chunk)
-        self._pending_load[request.request_id] = LoadSpec(keys[start // self.chunk:last], start, vllm_cached,
-                                                          hit_tokens)
+        keys = lookup.keys[start // self.chunk:last]
+        if self.config.load_mode == "async":
+            load = LoadSpec(keys, start, vllm_cached, hit_tokens, asynchronous=True,
+                            deadline_s=self.cost.deadline_s(num_external_tokens))
+            self._async_loads[request.request_id] = (load, list(blocks.get_block_ids()[0]))
+        else:
+            self._pending_load[request.request_id] = LoadSpec(keys, start, vllm_cached, hit_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVRingMetadata:
+        start = time.perf_counter()
+        self.cost.step_started(scheduler_output.total_num_scheduled_tokens,
+                               loads=bool(self._pending_load or self._async_loads))
+        self._step = _StepClock(self.config.lookup_wait_ms / 1000)
         meta = KVRingMetadata()
+        for req_id, (load, block_ids) in self._async_loads.items():
+            meta.requests.append(ReqMeta(req_id, self._slots(block_ids, load.end), block_ids, load, None))
+        self._async_loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
-            keys, hit, _ = self._lookups.pop(new.req_id, ([], 0, 0))
-            prompt_len = len(new.prompt_token_ids or [])
+            lookup = self._lookups.pop(new.req_id, None)
+            prompt_len = len(new.prompt_token_ids) if new.prompt_token_ids is not None else \
+                len(lookup.inputs.tokens) if lookup and lookup.inputs else 0
+            keys = lookup.keys if lookup is not None else []
+            hit = (lookup.hit_chunks or 0) if lookup is not None else 0
             whole = prompt_len // self.chunk
-            request = self._requests.get(new.req_id)
+            inputs = lookup.inputs if lookup is not None else None
             tracker = RequestTracker(new.req_id, prompt_len, keys, list(new.block_ids[0]),
-                                     saved_chunks=min(hit, whole), request=request,
+                                     saved_chunks=min(hit, whole), inputs=inputs,
+                                     request=self._requests.get(new.req_id),
                                      tail_done=hit > whole or len(keys) == whole,
-                                     namespace=self.layout.namespace(getattr(request, "cache_salt", None)))
+                                     namespace=self.layout.namespace(inputs.scope) if inputs else "")
             self._trackers[new.req_id] = tracker
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._plan(meta, tracker, self._pending_load.pop(new.req_id, None), done)
@@ -109,30 +230,35 @@ class SchedulerSide:
                 tracker.block_ids.extend(new_blocks[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan(meta, tracker, self._pending_load.pop(req_id, None), done)
+        self.counters.add(scheduler_hook_seconds=time.perf_counter() - start)
         return meta
+
+    def _slots(self, block_ids: list[int], end: int) -> np.ndarray:
+        """slot_mapping[t] = block_id * block_size + offset, for tokens [0, end)."""
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        t = np.arange(end, dtype=np.int64)
+        return blocks[t // self.block_size] * self.block_size + t % self.block_size
 
     def _plan(self, meta: KVRingMetadata, tracker: RequestTracker, load: LoadSpec | None, done: int) -> None:
         save = self._save_spec(tracker, done)
         if load is None and save is None:
             return
         end = max(load.end if load else 0, save.end if save else 0)
-        blocks = np.asarray(tracker.block_ids, dtype=np.int64)
-        t = np.arange(end, dtype=np.int64)
-        slots = blocks[t // self.block_size] * self.block_size + t % self.block_size
-        meta.requests.append(ReqMeta(tracker.req_id, slots, list(tracker.block_ids), load, save))
+        meta.requests.append(ReqMeta(tracker.req_id, self._slots(tracker.block_ids, end), list(tracker.block_ids),
+                                     load, save))
 
     def _save_spec(self, tracker: RequestTracker, done: int) -> SaveSpec | None:
         """The chunks whose KV is complete at the end of this step and not yet in the cluster."""
         c = self.chunk
+        if tracker.inputs is None:
+            return None
         if self.config.save_decode_cache and tracker.request is not None:
             tokens = tracker.request.all_token_ids
             full = min(done, len(tokens)) // c
             if full * c > tracker.prompt_len and full > tracker.saved_chunks:
                 # Decode filled a chunk: extend the chain over prompt + generated tokens (the
                 # prompt's keys are a prefix of it, so only the new chunks' keys are new).
-                tracker.keys = request_keys(self.layout, list(tokens[:full * c]),
-                                            getattr(tracker.request, "cache_salt", None),
-                                            _mm_spans(tracker.request))
+                tracker.keys = tracker.inputs.keys(self.layout, tokens=list(tokens[:full * c]))
         else:
             full = min(done, tracker.prompt_len) // c  # prompt chunks computed by this step's end
         full = min(full, len(tracker.keys))
@@ -145,6 +271,35 @@ class SchedulerSide:
         tracker.saved_chunks = max(tracker.saved_chunks, full)
         return SaveSpec(keys, start, end, tracker.namespace) if keys else None
 
+    # ---- worker output, finish, weights --------------------------------------------------------
+
+    def update_connector_output(self, connector_output) -> None:
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None) or {}
+        if data.get("loads"):
+            self.cost.loads_measured(data.get("loaded_bytes", 0), data.get("load_seconds", 0.0), data["loads"])
+
     def request_finished(self, request) -> None:
-        for table in (self._lookups, self._pending_load, self._trackers, self._requests):
+        lookup = self._lookups.pop(request.request_id, None)
+        if lookup is not None and lookup.future is not None:
+            lookup.future.cancel()
+        for table in (self._pending_load, self._async_loads, self._trackers, self._requests):
             table.pop(request.request_id, None)
+
+    def reset_cache(self) -> bool:
+        """The model's weights changed in place: move to a new key namespace (weights epoch).
+
+        Chunks stored under the old weights are never looked up again by this instance; lookups
+        made under the old epoch are sent again, and running requests save nothing more (their
+        KV was computed partly under the old weights).
+        """
+        self.weights_epoch += 1
+        for lookup in self._lookups.values():
+            if lookup.future is not None:
+                lookup.future.cancel()
+        self._lookups.clear()
+        for tracker in self._trackers.values():
+            tracker.inputs = None
+        logger.info("kvring: weights epoch %d (reset_cache): chunks of earlier weights will not be loaded",
+                    self.weights_epoch)
+        return True

@@ -9,6 +9,12 @@ layer-major as ``[layers, chunk_size, H, C]``, so one layer of one chunk is a co
 The copies themselves (host staging, scatter, gather; pinned buffers and a side stream on
 CUDA) are in ``copies.py``.
 
+Three load modes: ``layerwise`` (one job per step on a thread; layer ``l`` of every chunk
+gates ``wait_for_layer_load(l)``), ``bulk`` (the whole job before the forward) and ``async``
+(one job per request on a pool, between steps: the request waits in vLLM's remote-KV state
+and is reported done by ``get_finished``; a load past its deadline is abandoned — no copy
+lands in its blocks after that — and its blocks recompute).
+
 Nothing here raises into vLLM: a load that fails reports the block ids it should have filled
 (``get_block_ids_with_load_errors``) so vLLM recomputes them; a failed save is logged, counted
 and dropped.
@@ -30,6 +36,7 @@ from kvring.cachenode import ClusterClient
 from .config import ConnectorConfig
 from .copies import buffer_runs, copies_for, slot_runs
 from .metadata import KVRingMetadata, ReqMeta
+from .stats import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +49,14 @@ class _LoadJob:
     def __init__(self, worker: WorkerSide, requests: list[ReqMeta]) -> None:
         self.worker = worker
         self.layer_done = [threading.Event() for _ in worker.layer_names]
+        self.finished = threading.Event()
         self.failed_blocks: set[int] = set()
+        self.req_ids = [r.req_id for r in requests]
+        self.deadline = (time.monotonic() + max(r.load.deadline_s for r in requests)
+                         if all(r.load.deadline_s > 0 for r in requests) else None)
+        # Held by every copy into the cache; ``abandon`` takes it, so no copy lands after it.
+        self._lock = threading.Lock()
+        self.abandoned = False
         self.started = time.perf_counter()
         self.first_layer_s: float | None = None  # until layer 0 of every chunk was in the cache
         self.seconds = 0.0  # until the last layer was
@@ -60,15 +74,23 @@ class _LoadJob:
         w = self.worker
         found: list = [None] * len(self.keys)
         got = np.zeros((len(w.layer_names), len(self.keys)), dtype=bool)
+        unusable: set[int] = set()
+        error = False
         try:
             for batch in w.client.iter_layers(self.keys, found=found):
+                if self.abandoned:
+                    break
                 layer = batch.layer
                 for i, view in zip(batch.indices, batch.views):
                     try:
-                        self._scatter(layer, i, view)
+                        with self._lock:
+                            if self.abandoned:
+                                break
+                            self._scatter(layer, i, view)
                         got[layer, i] = True
                         self.nbytes += len(view)
                     except (ValueError, RuntimeError) as exc:  # a chunk of the wrong shape: recompute it
+                        unusable.add(i)
                         logger.warning("kvring chunk %d of this step is unusable (%s); recomputing it", i, exc)
                 if got[layer].all():
                     if layer == 0:
@@ -77,15 +99,29 @@ class _LoadJob:
                     self.layer_done[layer].set()
         except Exception:
             logger.exception("kvring load failed; the affected blocks will be recomputed")
-            found = [None] * len(self.keys)
-        for i, meta in enumerate(found):
-            if meta is None or not got[:, i].all():
-                self._fail(i)
-        w.copies.layer_loaded(-1)
-        self.seconds = time.perf_counter() - self.started
-        for event in self.layer_done:
-            event.set()
+            error = True
+        with self._lock:
+            if not self.abandoned:  # an abandoned load's blocks were reported when it was abandoned
+                for i, meta in enumerate(found):
+                    if error or meta is None or not got[:, i].all():
+                        reason = "error" if error else "unusable" if i in unusable else "missing"
+                        w.counters.failed(reason, self._fail(i))
+            w.copies.layer_loaded(-1)
+            self.seconds = time.perf_counter() - self.started
+            for event in self.layer_done:
+                event.set()
+            self.finished.set()
         self.worker.record_load(self)
+
+    def abandon(self) -> None:
+        """Stop copying (an in-flight copy finishes first) and fail every block not yet loaded."""
+        with self._lock:
+            if self.finished.is_set() or self.abandoned:
+                return
+            self.abandoned = True
+            failed = sum(self._fail(i) for i in range(len(self.keys)))
+            self.worker.counters.failed("abandoned", failed)
+            self.worker.counters.add(loads_abandoned=1)
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
         req, k = self.owner[i]
@@ -105,10 +141,14 @@ class _LoadJob:
         # Straight from the (read-only) socket frame into the paged cache.
         w.copies.load(w.kv_caches[w.layer_names[layer]], runs, view, lo - first)
 
-    def _fail(self, i: int) -> None:
+    def _fail(self, i: int) -> int:
+        """Fail the blocks chunk ``i`` was to write; how many new failed blocks."""
         req, _, lo, hi = self._tokens(i)
-        if hi > lo:
-            self.failed_blocks.update((req.slot_mapping[lo:hi] // self.worker.block_size).tolist())
+        if hi <= lo:
+            return 0
+        blocks = set((req.slot_mapping[lo:hi] // self.worker.block_size).tolist()) - self.failed_blocks
+        self.failed_blocks |= blocks
+        return len(blocks)
 
     def wait(self, layer: int) -> None:
         self.layer_done[layer].wait()
@@ -129,6 +169,10 @@ class WorkerSide:
         # req -> (one layer-major buffer per chunk, the save's slot runs into them)
         self._saves: dict[str, tuple[list[torch.Tensor], list]] = {}
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvring-save")
+        # async mode: one job per request, a few at a time; req -> its job until get_finished
+        self._async_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvring-async-load")
+        self._async_jobs: dict[str, _LoadJob] = {}
+        self.counters = Counters()
         self.saves_failed = 0
         self.chunks_saved = 0
         self.loads: list[dict] = []  # per-step load statistics (also appended to config.stats_path)
@@ -149,7 +193,10 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVRingMetadata) -> None:
         self._load = None
-        loads = [r for r in meta.requests if r.load is not None and r.load.keys]
+        for req in meta.requests:
+            if req.load is not None and req.load.asynchronous:
+                self._start_async(req)
+        loads = [r for r in meta.requests if r.load is not None and r.load.keys and not r.load.asynchronous]
         if not loads:
             return
         self.copies.reset()
@@ -162,13 +209,49 @@ class WorkerSide:
             self._load_thread = threading.Thread(target=job.run, name="kvring-load", daemon=True)
             self._load_thread.start()
 
+    def _start_async(self, req: ReqMeta) -> None:
+        job = _LoadJob(self, [req])
+        self._async_jobs[req.req_id] = job
+
+        def run() -> None:
+            if job.deadline is not None and time.monotonic() > job.deadline:
+                return  # waited past its deadline for a free loader: get_finished abandons it
+            job.run()
+            self.copies.synchronize()  # on CUDA: its copies have landed before it is reported done
+
+        self._async_pool.submit(run)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """async mode: the requests whose loads finished, or were abandoned past their deadline."""
+        if not self._async_jobs:
+            return None, None
+        now = time.monotonic()
+        done = set()
+        for req_id, job in list(self._async_jobs.items()):
+            if not job.finished.is_set() and (req_id in finished_req_ids or
+                                              (job.deadline is not None and now > job.deadline)):
+                job.abandon()  # past its deadline (or the request is gone): recompute its blocks
+                if req_id not in finished_req_ids:
+                    logger.warning("kvring: load of request %s abandoned after %.2f s (deadline); its blocks "
+                                   "recompute", req_id, time.perf_counter() - job.started)
+            if job.finished.is_set() or job.abandoned:
+                self._failed |= job.failed_blocks
+                done.add(req_id)
+                del self._async_jobs[req_id]
+        return None, done or None
+
     def fail_loads(self, meta: KVRingMetadata) -> None:
         """Report every block this step meant to load as failed (the load could not start)."""
         self._load = None
         for req in meta.requests:
             if req.load is not None and req.load.end > req.load.write_from:
                 slots = req.slot_mapping[req.load.write_from:req.load.end]
-                self._failed.update((slots // self.block_size).tolist())
+                blocks = set((slots // self.block_size).tolist())
+                self.counters.failed("error", len(blocks - self._failed))
+                self._failed |= blocks
+                job = self._async_jobs.pop(req.req_id, None)
+                if job is not None:
+                    job.abandon()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._load
@@ -187,6 +270,7 @@ class WorkerSide:
             self._load_thread = None
 
     def record_load(self, job: _LoadJob) -> None:
+        self.counters.add(loads=1, loaded_bytes=job.nbytes, load_seconds=job.seconds)
         entry = {"mode": self.config.load_mode, "chunks": len(job.keys), "bytes": job.nbytes,
                  "seconds": job.seconds, "first_layer_seconds": job.first_layer_s,
                  "failed_blocks": len(job.failed_blocks)}
@@ -226,22 +310,33 @@ class WorkerSide:
                                    save.namespace)
 
     def _put(self, keys: list[bytes], bufs: list[torch.Tensor], copied=None, namespace: str = "") -> None:
+        start = time.perf_counter()
         try:
             self.copies.wait_saved(copied)  # on CUDA: the device-to-host copies have landed
             items = [(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1], namespace)
                      for key, buf in zip(keys, bufs)]
             stored = self.client.put_many(items)
-            self.chunks_saved += sum(1 for s in stored if s)
+            saved = [buf for buf, s in zip(bufs, stored) if s]
+            self.chunks_saved += len(saved)
+            self.counters.add(saved_chunks=len(saved), saved_bytes=sum(b.nbytes for b in saved),
+                              save_seconds=time.perf_counter() - start, failed_saves=len(keys) - len(saved))
         except Exception as exc:
             self.saves_failed += len(keys)
+            self.counters.add(failed_saves=len(keys), save_seconds=time.perf_counter() - start)
             logger.warning("kvring save of %d chunks failed (dropped): %s", len(keys), exc)
 
     def wait_for_save(self) -> None:
-        return  # saves run in the background; the forward pass never waits on the network
+        # The network part runs in the background (the forward pass never waits on it); the
+        # copies out of the blocks are ordered before vLLM can reuse them.
+        if self.kv_caches:
+            self.copies.order_saves_before_reuse()
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued saves (shutdown, tests)."""
         self._saver.submit(lambda: None).result(timeout)
 
     def shutdown(self) -> None:
+        for job in self._async_jobs.values():
+            job.abandon()
+        self._async_pool.shutdown(wait=True)
         self._saver.shutdown(wait=True)

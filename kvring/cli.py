@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from kvring.connector.config import transfer_config
 from kvring.units import format_size, parse_size
 
 app = typer.Typer(help="kvring: a distributed KV cache for LLM serving.", no_args_is_help=True,
@@ -116,9 +117,7 @@ def up(
         typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
         for n in cluster_.nodes:
             typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
-        transfer = json.dumps({"kv_connector": "KVRingConnector", "kv_connector_module_path": "kvring.connector",
-                               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                               "kv_connector_extra_config": {"etcd": cluster_.etcd, "cluster": cluster}})
+        transfer = json.dumps(transfer_config(cluster_.etcd, cluster))
         typer.echo("Point vLLM at it:")
         typer.echo(f"  vllm serve MODEL --kv-transfer-config '{transfer}'")
         typer.echo(f"  (or KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster} with an empty kv_connector_extra_config)")

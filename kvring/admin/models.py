@@ -77,6 +77,7 @@ class LayoutIn(BaseModel):
     chunk_size: int = Field(ge=1)
     tp_size: int = Field(default=1, ge=1)
     tp_rank: int = Field(default=0, ge=0)
+    weights_version: str = ""
 
     @model_validator(mode="after")
     def _rank_in_range(self) -> LayoutIn:
@@ -97,7 +98,8 @@ class LookupIn(BaseModel):
     """A prompt to look up: its token ids and what its chunk keys are computed in.
 
     Give either ``layout`` (the connector's KV layout, plus ``cache_salt`` and any multimodal
-    ``mm_spans``), or ``namespace`` (``KVLayout.namespace(cache_salt)``, already computed).
+    ``mm_spans``, the LoRA ``adapter`` identity and the ``weights_epoch``), or ``namespace``
+    (``KVLayout.namespace(KeyScope(...))``, already computed).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -106,6 +108,10 @@ class LookupIn(BaseModel):
     namespace: str | None = Field(default=None, min_length=1)
     layout: LayoutIn | None = None
     cache_salt: str | None = None
+    adapter: str = Field(default="", description="The LoRA adapter's identity as the connector keys it "
+                                                 "('content:<digest>' or 'name:<lora_name>'); empty for the "
+                                                 "base model.")
+    weights_epoch: int = Field(default=0, ge=0, description="The instance's weights epoch (reset_cache count).")
     mm_spans: list[MMSpanIn] = Field(default_factory=list)
 
     @model_validator(mode="after")

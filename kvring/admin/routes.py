@@ -10,7 +10,7 @@ from kvring.cachenode.errors import MembershipError
 from kvring.cachenode.hashing import chained_hashes
 from kvring.cachenode.membership import LEFT_RING_STATES
 from kvring.cachenode.node import MAX_KEY_BYTES
-from kvring.connector.keys import KVLayout, MMSpan, request_keys
+from kvring.connector.keys import KeyScope, KVLayout, MMSpan, request_keys
 
 from .auth import require_token
 from .cluster import ClusterHandle, states_of
@@ -135,9 +135,9 @@ async def lookup(body: LookupIn, cluster: ClusterHandle = Depends(cluster_of),
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                                 f"layout.chunk_size is {layout.chunk_size} but the cluster's chunk size is "
                                 f"{chunk_size}; keys computed with it would never match")
-        namespace = layout.namespace(body.cache_salt)
-        keys = request_keys(layout, body.token_ids, body.cache_salt,
-                            [MMSpan(**s.model_dump()) for s in body.mm_spans])
+        scope = KeyScope(cache_salt=body.cache_salt or "", adapter=body.adapter, weights_epoch=body.weights_epoch)
+        namespace = layout.namespace(scope)
+        keys = request_keys(layout, body.token_ids, scope, [MMSpan(**s.model_dump()) for s in body.mm_spans])
     else:
         namespace = body.namespace
         keys = chained_hashes(namespace, body.token_ids, chunk_size)
@@ -188,7 +188,7 @@ async def cancel_drain(node_id: str, cluster: ClusterHandle = Depends(cluster_of
                                                               "description": "Some nodes did not confirm."}})
 async def flush(namespace: str, cluster: ClusterHandle = Depends(cluster_of)):
     """Delete every chunk of a namespace on every node (e.g. ``kvring/v1/<hex>``, as the
-    connector's ``KVLayout.namespace(cache_salt)`` gives it).  Chunks stored without a
+    connector's ``KVLayout.namespace(scope)`` gives it).  Chunks stored without a
     namespace are never touched, and an empty namespace is refused."""
     if not namespace:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from kvring.admin import AdminSettings, create_app
 from kvring.cachenode import ClusterClient
 from kvring.cachenode.membership import EtcdSettings
-from kvring.connector.keys import KVLayout, request_keys
+from kvring.connector.keys import KeyScope, KVLayout, request_keys
 from kvring.local import LocalCluster, free_port
 
 TOKEN = "test-token-0123456789abcdef"
@@ -139,9 +139,9 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     rng = np.random.default_rng(11)
     tokens = [int(t) for t in rng.integers(0, 32_000, size=5 * 256 + 37)]
     salt = "tenant-7"
-    keys = request_keys(LAYOUT, tokens, salt)
+    keys = request_keys(LAYOUT, tokens, KeyScope(cache_salt=salt))
     assert len(keys) == 5
-    namespace = LAYOUT.namespace(salt)
+    namespace = LAYOUT.namespace(KeyScope(cache_salt=salt))
     _put(client, keys[:3] + keys[4:], namespace)  # chunks 0-2 and 4: the prefix stops at chunk 3
 
     body = api.post("/v1/lookup", json=_layout_body(tokens, salt)).json()
@@ -158,12 +158,18 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     # The connector's own scheduler-side lookup, on its own client, sees the same prefix.
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as own:
         sched = SchedulerSide(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster), LAYOUT, own,
-                              block_size=16)
+                              block_size=16, bytes_per_token=256)
         request = SimpleNamespace(request_id="r1", prompt_token_ids=tokens, cache_salt=salt, mm_features=None)
-        external, _ = sched.get_num_new_matched_tokens(request, 0)
-        seen_keys, hit_chunks, _ = sched._lookups["r1"]
-    assert [k.hex() for k in seen_keys] == [c["key"] for c in body["chunks"]]
-    assert hit_chunks == body["matched_chunks"] and external == body["matched_tokens"]
+        sched.on_new_request(request)
+        external = None
+        for _ in range(500):  # the lookup answers on a later call
+            external, _ = sched.get_num_new_matched_tokens(request, 0)
+            if external is not None:
+                break
+            time.sleep(0.01)
+        lookup = sched._lookups["r1"]
+    assert [k.hex() for k in lookup.keys] == [c["key"] for c in body["chunks"]]
+    assert lookup.hit_chunks == body["matched_chunks"] and external == body["matched_tokens"]
 
     # The namespace string given directly computes the same keys.
     direct = api.post("/v1/lookup", json={"token_ids": tokens, "namespace": namespace}).json()

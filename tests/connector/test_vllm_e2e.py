@@ -106,7 +106,7 @@ def test_node_killed_between_instances_still_gives_identical_output(etcd_server,
 def test_unfull_chunk_and_decode_cache_are_saved_and_loaded(etcd_server, model, prompts, tmp_path):
     """save_unfull_chunk stores a prompt's partial last chunk, save_decode_cache the chunks that
     decoding fills; a second instance loads both and computes the same tokens as a recompute."""
-    from kvring.connector.keys import KVLayout, request_keys
+    from kvring.connector.keys import KeyScope, KVLayout, request_keys
 
     q = prompts[0] + prompts[1][-100:]  # 1200 tokens: 4 whole chunks + 176 (one whole 128-block)
     with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-saves") as cluster:
@@ -122,8 +122,8 @@ def test_unfull_chunk_and_decode_cache_are_saved_and_loaded(etcd_server, model, 
         with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
             stored = _stored_keys(client)
         for salt in ("ref", None):
-            prompt_keys = request_keys(layout, q, salt, full_chunks_only=False)  # 4 whole + the partial
-            decode_keys = request_keys(layout, q + out_q, salt)[:5]  # whole chunks of prompt + output
+            prompt_keys = request_keys(layout, q, KeyScope(cache_salt=salt or ""), full_chunks_only=False)  # 4 whole + the partial
+            decode_keys = request_keys(layout, q + out_q, KeyScope(cache_salt=salt or ""))[:5]  # whole chunks of prompt + output
             assert len(prompt_keys) == 5 and prompt_keys[:4] == decode_keys[:4]
             assert {k.hex() for k in prompt_keys + decode_keys} <= stored
         assert len(stored) == 2 * 6  # exactly those, for both namespaces

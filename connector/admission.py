@@ -1,0 +1,83 @@
+"""Load or recompute: a prediction of both, from what this instance measured.
+
+- Load time: ``bytes / bandwidth + latency``; the bandwidth and per-load latency are running
+  estimates from the worker's loads (their bytes and seconds reach the scheduler side with
+  every step's connector output).
+- Recompute time: ``tokens / prefill speed``; the prefill speed is a running estimate of the
+  tokens per second of steps that computed at least ``MIN_STEP_TOKENS`` tokens and loaded
+  nothing, timed between consecutive ``build_connector_meta`` calls (a step's schedule,
+  forward and update).  An idle gap between steps makes a step look slower, so the estimate
+  errs towards loading.
+
+Until both are measured every load is admitted.  Runs on the scheduler's thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+MIN_STEP_TOKENS = 256
+_ALPHA = 0.3  # weight of a new sample in the running estimates
+_MIN_DEADLINE_S = 0.2
+
+
+@dataclass
+class Decision:
+    """What admission decided for one request (also what a test or a log line reads)."""
+
+    admit: bool
+    load_s: float | None  # predicted load seconds (None: not measured yet)
+    recompute_s: float | None  # predicted recompute seconds
+
+
+class LoadCostModel:
+    def __init__(self, bytes_per_token: int, timeout_s: float, load_deadline_s: float = 0.0) -> None:
+        self.bytes_per_token = bytes_per_token
+        self.timeout_s = timeout_s
+        self.load_deadline_s = load_deadline_s
+        self.bandwidth: float | None = None  # bytes per second of loads
+        self.latency: float = 0.0  # seconds a load costs besides its bytes
+        self.prefill_rate: float | None = None  # tokens per second of prefill steps
+        self._last_step: tuple[float, int, bool] | None = None  # (start, tokens, loaded)
+
+    # ---- measurements ---------------------------------------------------------------------
+
+    def step_started(self, tokens: int, loads: bool, now: float | None = None) -> None:
+        """A step was scheduled: ``tokens`` to compute, ``loads`` whether it also loads."""
+        now = time.monotonic() if now is None else now
+        if self._last_step is not None:
+            start, n, loaded = self._last_step
+            if n >= MIN_STEP_TOKENS and not loaded and now > start:
+                self.prefill_rate = _blend(self.prefill_rate, n / (now - start))
+        self._last_step = (now, tokens, loads)
+
+    def loads_measured(self, nbytes: int, seconds: float, loads: int) -> None:
+        """The worker finished ``loads`` loads moving ``nbytes`` in ``seconds`` (summed)."""
+        if loads <= 0 or seconds <= 0 or nbytes <= 0:
+            return
+        per_load = seconds / loads
+        self.bandwidth = _blend(self.bandwidth, nbytes / seconds)
+        # What a load costs beyond moving its bytes at the measured bandwidth (never negative).
+        self.latency = max(0.0, _blend(self.latency, per_load - nbytes / loads / self.bandwidth))
+
+    # ---- predictions ----------------------------------------------------------------------
+
+    def decide(self, tokens: int) -> Decision:
+        load_s = self.latency + tokens * self.bytes_per_token / self.bandwidth if self.bandwidth else None
+        recompute_s = tokens / self.prefill_rate if self.prefill_rate else None
+        admit = load_s is None or recompute_s is None or load_s <= recompute_s
+        return Decision(admit, load_s, recompute_s)
+
+    def deadline_s(self, tokens: int) -> float:
+        """How long an asynchronous load of ``tokens`` may take before it is abandoned."""
+        if self.load_deadline_s > 0:
+            return self.load_deadline_s
+        recompute_s = self.decide(tokens).recompute_s
+        if recompute_s is None:
+            return self.timeout_s
+        return min(self.timeout_s, max(_MIN_DEADLINE_S, 2 * recompute_s))
+
+
+def _blend(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - _ALPHA) * old + _ALPHA * sample

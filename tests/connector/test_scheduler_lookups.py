@@ -1,0 +1,206 @@
+"""The connector's scheduler side against real etcd and real node processes (no vLLM engine needed).
+
+Lookups never hold the scheduler: an answer comes on a later call, a hung node (SIGSTOP) delays
+only the requests whose chunks it owns and only up to the lookup deadline, a request is looked up
+once however often vLLM asks, and a weights epoch moves every key.  Admission is tested on its
+cost model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvring.cachenode import ClusterClient
+from kvring.connector.admission import LoadCostModel
+from kvring.connector.config import ConnectorConfig
+from kvring.connector.keys import KVLayout, request_keys
+from kvring.connector.scheduler import SchedulerSide
+
+CHUNK = 256
+LAYOUT = KVLayout(model="tiny", config_fingerprint="f", kv_dtype="bfloat16", num_layers=2, num_kv_heads=2,
+                  head_size=16, block_layout="BHNC", chunk_size=CHUNK)
+DEADLINE_MS = 400.0
+
+
+def _request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, num_prompt_tokens=len(tokens),
+                           cache_salt=None, mm_features=None, lora_request=None, prompt_embeds=None)
+
+
+def _store(client: ClusterClient, keys: list[bytes]) -> None:
+    data = np.zeros(2 * CHUNK * 2 * 32 * 2, dtype=np.uint8)  # bfloat16: 2 bytes each
+    assert all(client.put_many([(k, data, [2, CHUNK, 2, 32], "bfloat16", CHUNK) for k in keys]))
+
+
+def _poll(sched: SchedulerSide, request, timeout: float = 5.0) -> tuple[int, float, float]:
+    """Ask as vLLM does, once per 'step', until answered: (tokens, seconds to the answer, longest call)."""
+    start, longest = time.monotonic(), 0.0
+    while time.monotonic() - start < timeout:
+        t0 = time.monotonic()
+        n, is_async = sched.get_num_new_matched_tokens(request, 0)
+        longest = max(longest, time.monotonic() - t0)
+        if n is not None:
+            assert not is_async
+            return n, time.monotonic() - start, longest
+        sched._step.wait_left = sched.config.lookup_wait_ms / 1000  # a new scheduler step
+        time.sleep(0.005)
+    raise AssertionError(f"no answer within {timeout} s")
+
+
+@pytest.fixture
+def cluster(cluster_factory):
+    return cluster_factory(nodes=3)
+
+
+def _scheduler(cluster, **settings) -> tuple[SchedulerSide, ClusterClient]:
+    config = ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, lookup_deadline_ms=DEADLINE_MS, **settings)
+    client = ClusterClient(cluster.etcd, cluster=cluster.cluster)
+    assert client.wait_for_nodes(3)
+    return SchedulerSide(config, LAYOUT, client, block_size=16, bytes_per_token=256), client
+
+
+def _prompt_owned(client: ClusterClient, rng, chunks: int, want_node: str | None, avoid_node: str | None):
+    """Random tokens whose chunk keys are owned (first chunk) by ``want_node`` / never by ``avoid_node``."""
+    for _ in range(500):
+        tokens = rng.integers(10, 30_000, size=chunks * CHUNK + 7).tolist()
+        owners = [client.owners(k)[0] for k in request_keys(LAYOUT, tokens)]
+        if want_node is not None and owners[0] != want_node:
+            continue
+        if avoid_node is not None and avoid_node in owners:
+            continue
+        return tokens
+    raise AssertionError("no such prompt found")
+
+
+def test_a_lookup_answers_on_a_later_call_and_is_sent_once(cluster):
+    sched, client = _scheduler(cluster, lookup_wait_ms=0)
+    try:
+        tokens = np.random.default_rng(0).integers(10, 30_000, size=3 * CHUNK + 5).tolist()
+        _store(client, request_keys(LAYOUT, tokens)[:2])
+        request = _request("r", tokens)
+        sched.on_new_request(request)
+        # With no waiting allowed, the first call cannot have the answer yet.
+        assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+        n, _, _ = _poll(sched, request)
+        assert n == 2 * CHUNK
+        for _ in range(50):  # vLLM asks again while the request waits for blocks: no new lookup
+            assert sched.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, False)
+        # Tokens vLLM already holds are not counted again; nothing beyond the hit is loaded.
+        assert sched.get_num_new_matched_tokens(request, 256) == (256, False)
+        assert sched.get_num_new_matched_tokens(request, 512) == (0, False)
+        stats = sched.counters.take()
+        assert stats.data["lookups"] == 1 and stats.data["lookups_past_deadline"] == 0
+        # A request that arrives without on_new_request (back after a preemption) is looked up then.
+        again = _request("r2", tokens)
+        n2, _, _ = _poll(sched, again)
+        assert n2 == 2 * CHUNK
+    finally:
+        client.close()
+
+
+def test_a_hung_node_delays_only_its_requests_and_only_until_the_deadline(cluster):
+    sched, client = _scheduler(cluster)
+    rng = np.random.default_rng(1)
+    victim = cluster.nodes[0]
+    try:
+        hung_tokens = _prompt_owned(client, rng, 2, want_node=victim.node_id, avoid_node=None)
+        free_tokens = _prompt_owned(client, rng, 3, want_node=None, avoid_node=victim.node_id)
+        _store(client, request_keys(LAYOUT, hung_tokens) + request_keys(LAYOUT, free_tokens))
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            hung, free = _request("hung", hung_tokens), _request("free", free_tokens)
+            start = time.monotonic()
+            sched.on_new_request(hung)
+            sched.on_new_request(free)
+            answers, longest = {}, 0.0
+            while len(answers) < 2 and time.monotonic() - start < 5:  # one pass per scheduler step
+                sched._step.wait_left = sched.config.lookup_wait_ms / 1000
+                for request in (hung, free):
+                    if request.request_id in answers:
+                        continue
+                    t0 = time.monotonic()
+                    n, _ = sched.get_num_new_matched_tokens(request, 0)
+                    longest = max(longest, time.monotonic() - t0)
+                    if n is not None:
+                        answers[request.request_id] = (n, time.monotonic() - start)
+                time.sleep(0.005)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        (n_free, t_free), (n_hung, t_hung) = answers["free"], answers["hung"]
+        assert n_free == 3 * CHUNK  # every chunk found: the hung node owns none of them
+        assert t_free < 0.25  # generous: a healthy lookup is a few milliseconds
+        # The hung node's request is a miss, decided at the deadline (not at the 5 s node timeout).
+        assert n_hung == 0 and DEADLINE_MS / 1000 <= t_hung < DEADLINE_MS / 1000 + 0.5
+        # No single call held the scheduler longer than its per-step wait allowance (+ slack).
+        assert longest < sched.config.lookup_wait_ms / 1000 + 0.05
+        stats = sched.counters.take()
+        assert stats.data["lookups_past_deadline"] == 1 and stats.data["lookups"] == 2
+    finally:
+        client.close()
+
+
+def test_reset_cache_moves_every_key_to_a_new_weights_epoch(cluster):
+    sched, client = _scheduler(cluster)
+    try:
+        tokens = np.random.default_rng(2).integers(10, 30_000, size=2 * CHUNK + 1).tolist()
+        _store(client, request_keys(LAYOUT, tokens))
+        assert _poll(sched, _request("before", tokens))[0] == 2 * CHUNK
+        assert sched.reset_cache() is True
+        after = _request("after", tokens)
+        assert _poll(sched, after)[0] == 0  # chunks of the old weights are never loaded again
+        assert set(sched._lookups["after"].keys).isdisjoint(request_keys(LAYOUT, tokens))
+        assert sched._lookups["after"].inputs.scope.weights_epoch == 1
+    finally:
+        client.close()
+
+
+def test_a_lookup_that_cannot_be_routed_is_a_miss_not_an_error(cluster_factory):
+    cluster = cluster_factory(nodes=1)
+    config = ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, lookup_deadline_ms=DEADLINE_MS)
+    client = ClusterClient(cluster.etcd, cluster=cluster.cluster)
+    try:
+        assert client.wait_for_nodes(1)
+        sched = SchedulerSide(config, LAYOUT, client, block_size=16, bytes_per_token=256)
+        cluster.nodes[0].stop()
+        assert client.wait_for_nodes(0, timeout=20, exact=True)
+        assert _poll(sched, _request("r", list(range(600))))[0] == 0
+        assert sched.counters.take().data["lookup_errors"] == 1
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("bandwidth, latency, rate, tokens, admit", [
+    (None, 0.0, 5000.0, 4096, True),  # no load measured yet: admitted
+    (1e9, 0.0, None, 4096, True),  # no prefill measured yet: admitted
+    (1e9, 0.001, 5000.0, 4096, True),  # 4 MiB at 1 GB/s (5 ms) vs 0.8 s of prefill
+    (1e6, 0.0, 5000.0, 4096, False),  # a crawling network: 1 s to load vs 0.8 s to recompute
+    (1e9, 2.0, 5000.0, 4096, False),  # a node that takes 2 s to answer anything
+])
+def test_admission_loads_only_what_is_faster_than_recomputing(bandwidth, latency, rate, tokens, admit):
+    model = LoadCostModel(bytes_per_token=1024, timeout_s=5.0)
+    model.bandwidth, model.latency, model.prefill_rate = bandwidth, latency, rate
+    assert model.decide(tokens).admit is admit
+
+
+def test_admission_measures_prefill_speed_and_load_bandwidth():
+    model = LoadCostModel(bytes_per_token=1024, timeout_s=5.0)
+    model.step_started(2048, loads=False, now=10.0)
+    model.step_started(1, loads=True, now=10.5)  # the 2048-token step took 0.5 s
+    assert model.prefill_rate == pytest.approx(4096)
+    model.step_started(8, loads=False, now=12.0)  # a step with a load is not a prefill sample
+    assert model.prefill_rate == pytest.approx(4096)
+    model.loads_measured(nbytes=2 * 10**8, seconds=0.2, loads=1)
+    assert model.bandwidth == pytest.approx(1e9) and model.latency == 0.0
+    decision = model.decide(4096)
+    assert decision.admit and decision.load_s == pytest.approx(4096 * 1024 / 1e9)
+    assert decision.recompute_s == pytest.approx(1.0)
+    # An async load may take up to twice the recompute it saves (within [0.2 s, timeout]).
+    assert model.deadline_s(4096) == pytest.approx(2.0)
+    assert model.deadline_s(10) == pytest.approx(0.2)
+    assert LoadCostModel(1024, timeout_s=5.0, load_deadline_s=0.7).deadline_s(4096) == 0.7
