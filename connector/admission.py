@@ -9,7 +9,9 @@
   forward and update).  An idle gap between steps makes a step look slower, so the estimate
   errs towards loading.
 
-Until both are measured every load is admitted.  Runs on the scheduler's thread only.
+Until both are measured every load is admitted, and so is every ``PROBE_EVERY``-th load that
+would be refused: estimates only change when loads run, so a cluster that was slow and has
+recovered would otherwise never be trusted again.  Runs on the scheduler's thread only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 MIN_STEP_TOKENS = 256
+PROBE_EVERY = 8
 _ALPHA = 0.3  # weight of a new sample in the running estimates
 _MIN_DEADLINE_S = 0.2
 
@@ -37,9 +40,10 @@ class LoadCostModel:
         self.timeout_s = timeout_s
         self.load_deadline_s = load_deadline_s
         self.bandwidth: float | None = None  # bytes per second of loads
-        self.latency: float = 0.0  # seconds a load costs besides its bytes
+        self.latency: float | None = None  # seconds a load costs besides its bytes
         self.prefill_rate: float | None = None  # tokens per second of prefill steps
         self._last_step: tuple[float, int, bool] | None = None  # (start, tokens, loaded)
+        self._refused = 0  # loads refused since the last admitted one
 
     # ---- measurements ---------------------------------------------------------------------
 
@@ -54,19 +58,28 @@ class LoadCostModel:
 
     def loads_measured(self, nbytes: int, seconds: float, loads: int) -> None:
         """The worker finished ``loads`` loads moving ``nbytes`` in ``seconds`` (summed)."""
-        if loads <= 0 or seconds <= 0 or nbytes <= 0:
+        if loads <= 0 or seconds <= 0:
             return
-        per_load = seconds / loads
-        self.bandwidth = _blend(self.bandwidth, nbytes / seconds)
-        # What a load costs beyond moving its bytes at the measured bandwidth (never negative).
-        self.latency = max(0.0, _blend(self.latency, per_load - nbytes / loads / self.bandwidth))
+        if nbytes > 0:
+            self.bandwidth = _blend(self.bandwidth, nbytes / seconds)
+        # What a load costs beyond moving its bytes at the measured bandwidth (never negative);
+        # a load abandoned before any byte arrived is all latency.
+        moved_s = nbytes / loads / self.bandwidth if self.bandwidth else 0.0
+        self.latency = max(0.0, _blend(self.latency, seconds / loads - moved_s))
 
     # ---- predictions ----------------------------------------------------------------------
 
     def decide(self, tokens: int) -> Decision:
-        load_s = self.latency + tokens * self.bytes_per_token / self.bandwidth if self.bandwidth else None
+        load_s = None  # not measured yet; with latency only, a lower bound
+        if self.bandwidth or self.latency:
+            load_s = (self.latency or 0.0) + (tokens * self.bytes_per_token / self.bandwidth if self.bandwidth else 0.0)
         recompute_s = tokens / self.prefill_rate if self.prefill_rate else None
         admit = load_s is None or recompute_s is None or load_s <= recompute_s
+        if not admit:
+            self._refused += 1
+            admit = self._refused >= PROBE_EVERY  # a probe: measure the cluster again
+        if admit:
+            self._refused = 0
         return Decision(admit, load_s, recompute_s)
 
     def deadline_s(self, tokens: int) -> float:

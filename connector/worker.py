@@ -121,7 +121,10 @@ class _LoadJob:
             self.abandoned = True
             failed = sum(self._fail(i) for i in range(len(self.keys)))
             self.worker.counters.failed("abandoned", failed)
-            self.worker.counters.add(loads_abandoned=1)
+            # What it moved until now is its measurement (admission learns how slow it was now,
+            # not when the stuck fetch finally ends).
+            self.worker.counters.add(loads_abandoned=1, loads=1, loaded_bytes=self.nbytes,
+                                     load_seconds=time.perf_counter() - self.started)
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
         req, k = self.owner[i]
@@ -270,7 +273,8 @@ class WorkerSide:
             self._load_thread = None
 
     def record_load(self, job: _LoadJob) -> None:
-        self.counters.add(loads=1, loaded_bytes=job.nbytes, load_seconds=job.seconds)
+        if not job.abandoned:  # an abandoned load was counted when it was abandoned
+            self.counters.add(loads=1, loaded_bytes=job.nbytes, load_seconds=job.seconds)
         entry = {"mode": self.config.load_mode, "chunks": len(job.keys), "bytes": job.nbytes,
                  "seconds": job.seconds, "first_layer_seconds": job.first_layer_s,
                  "failed_blocks": len(job.failed_blocks)}

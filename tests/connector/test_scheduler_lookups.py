@@ -196,7 +196,7 @@ def test_admission_measures_prefill_speed_and_load_bandwidth():
     model.step_started(8, loads=False, now=12.0)  # a step with a load is not a prefill sample
     assert model.prefill_rate == pytest.approx(4096)
     model.loads_measured(nbytes=2 * 10**8, seconds=0.2, loads=1)
-    assert model.bandwidth == pytest.approx(1e9) and model.latency == 0.0
+    assert model.bandwidth == pytest.approx(1e9) and model.latency == 0.0  # all bytes, no fixed cost
     decision = model.decide(4096)
     assert decision.admit and decision.load_s == pytest.approx(4096 * 1024 / 1e9)
     assert decision.recompute_s == pytest.approx(1.0)
@@ -204,3 +204,19 @@ def test_admission_measures_prefill_speed_and_load_bandwidth():
     assert model.deadline_s(4096) == pytest.approx(2.0)
     assert model.deadline_s(10) == pytest.approx(0.2)
     assert LoadCostModel(1024, timeout_s=5.0, load_deadline_s=0.7).deadline_s(4096) == 0.7
+
+
+def test_admission_learns_from_an_abandoned_load_and_probes_again():
+    from kvring.connector.admission import PROBE_EVERY
+
+    model = LoadCostModel(bytes_per_token=1024, timeout_s=5.0)
+    model.prefill_rate = 10_000.0  # 0.4 s to recompute 4096 tokens
+    model.loads_measured(nbytes=0, seconds=2.0, loads=1)  # abandoned after 2 s with nothing moved
+    assert model.bandwidth is None and model.latency == pytest.approx(2.0)
+    decisions = [model.decide(4096) for _ in range(PROBE_EVERY)]
+    assert not any(d.admit for d in decisions[:-1]) and decisions[0].load_s == pytest.approx(2.0)
+    assert decisions[-1].admit  # every PROBE_EVERY-th refused load runs, to notice a recovery
+    model.loads_measured(nbytes=4096 * 1024, seconds=0.01, loads=1)  # the probe was fast
+    for _ in range(20):
+        model.loads_measured(nbytes=4096 * 1024, seconds=0.01, loads=1)
+    assert model.decide(4096).admit
