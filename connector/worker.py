@@ -238,7 +238,8 @@ class WorkerSide:
                     logger.warning("kvring: load of request %s abandoned after %.2f s (deadline); its blocks "
                                    "recompute", req_id, time.perf_counter() - job.started)
             if job.finished.is_set() or job.abandoned:
-                self._failed |= job.failed_blocks
+                if req_id not in finished_req_ids:  # an aborted request's blocks are freed, not recomputed
+                    self._failed |= job.failed_blocks
                 done.add(req_id)
                 del self._async_jobs[req_id]
         return None, done or None

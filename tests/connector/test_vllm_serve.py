@@ -9,6 +9,7 @@ external-prefix-cache counters and in the connector's own series.
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import time
@@ -102,6 +103,11 @@ def test_second_server_loads_what_the_first_computed(cluster_factory, model):
         hits, queries = after.get(EXTERNAL_HITS), after.get(EXTERNAL_QUERIES)
         assert hits == 2 * expected and queries == 2 * (len(p1) + len(p2)), (
             f"{EXTERNAL_HITS} = {hits}, {EXTERNAL_QUERIES} = {queries}{logs}")
+
+        # vLLM reports where the hits came from: the connector's source (fetched from other machines).
+        by_source = re.search(r'vllm:prompt_tokens_cached_by_source_total\{[^}]*source="p2p"[^}]*\} (\S+)',
+                              b.metrics_text())
+        assert by_source and float(by_source.group(1)) == 2 * expected, logs
 
         # The connector's own series.
         kvring_series = {k: v for k, v in after.items() if "kvring" in k}

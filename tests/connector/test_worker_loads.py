@@ -4,6 +4,10 @@ itself is exercised in test_vllm_e2e.py.  Also the connector's start-up contract
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -35,6 +39,30 @@ def _worker(cluster, mode: str) -> WorkerSide:
 def _slots(block_ids: list[int], n: int) -> np.ndarray:
     t = np.arange(n)
     return np.asarray(block_ids)[t // BLOCK] * BLOCK + t % BLOCK
+
+
+def _saved(cluster, keys: list[bytes], blocks: list[int]) -> WorkerSide:
+    """A worker that saved ``keys`` (one chunk each) from ``blocks`` of its random cache."""
+    saver = _worker(cluster, "layerwise")
+    saver.register_kv_caches(_caches(1))
+    meta = KVRingMetadata([ReqMeta("a", _slots(blocks, len(keys) * CHUNK), blocks,
+                                   save=SaveSpec(keys, 0, len(keys) * CHUNK))])
+    for name in saver.layer_names:
+        saver.save_kv_layer(meta, name, saver.kv_caches[name])
+    saver.flush()
+    assert saver.chunks_saved == len(keys)
+    return saver
+
+
+def _finished(worker: WorkerSide, req_id: str, timeout: float) -> float:
+    """Poll get_finished once per 'step' until ``req_id`` is reported; seconds it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        _, recving = worker.get_finished(set())
+        if recving and req_id in recving:
+            return time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id} not reported by get_finished within {timeout} s")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -89,3 +117,58 @@ def test_connector_refuses_a_cluster_with_another_chunk_size(cluster_factory):
     with pytest.raises(ContractMismatch, match="chunk_size: this connector has 512, the cluster has 256"):
         connect(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, chunk_size=512))
     connect(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster)).close()
+
+
+def test_an_async_load_is_reported_through_get_finished(cluster_factory):
+    cluster = cluster_factory(nodes=2, memory=64 << 20)
+    keys = [bytes([i]) * 16 for i in range(10, 14)]
+    src_blocks, dst_blocks = list(range(8, 16)), list(range(30, 38))
+    saver = _saved(cluster, keys, src_blocks)
+    loader = _worker(cluster, "async")
+    loader.register_kv_caches(_caches(2))
+    assert loader.client.delete([keys[1]]) == 1
+    load = LoadSpec(keys, start=0, write_from=0, end=4 * CHUNK - 1, asynchronous=True, deadline_s=5.0)
+    loader.start_load_kv(KVRingMetadata([ReqMeta("b", _slots(dst_blocks, 4 * CHUNK), dst_blocks, load=load)]))
+    _finished(loader, "b", timeout=5)
+    assert loader.get_block_ids_with_load_errors() == {32, 33}  # exactly chunk 1's blocks
+    src_slots, dst_slots = _slots(src_blocks, 4 * CHUNK), _slots(dst_blocks, 4 * CHUNK)
+    for name in loader.layer_names:
+        src, dst = saver.kv_caches[name], loader.kv_caches[name]
+        for t in list(range(CHUNK)) + list(range(2 * CHUNK, 4 * CHUNK - 1)):
+            assert torch.equal(dst[dst_slots[t] // BLOCK, :, dst_slots[t] % BLOCK],
+                               src[src_slots[t] // BLOCK, :, src_slots[t] % BLOCK]), (name, t)
+    stats = loader.counters.take().data
+    assert stats["loads"] == 1 and stats["failed_blocks"] == {"missing": 2} and stats["loaded_bytes"] > 0
+    for w in (saver, loader):
+        w.shutdown()
+        w.client.close()
+
+
+def test_an_async_load_past_its_deadline_is_abandoned_and_writes_nothing_after(cluster_factory):
+    """A node that hangs mid-load: the request is reported at its deadline with every block
+    failed, and when the node wakes up and delivers, not one byte lands in those blocks."""
+    cluster = cluster_factory(nodes=1, memory=64 << 20)
+    keys = [bytes([i]) * 16 for i in range(20, 23)]
+    dst_blocks = list(range(40, 46))
+    saver = _saved(cluster, keys, list(range(8, 14)))
+    loader = _worker(cluster, "async")
+    loader.register_kv_caches(_caches(3))
+    before = {n: t.clone() for n, t in loader.kv_caches.items()}
+    node = cluster.nodes[0]
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        load = LoadSpec(keys, start=0, write_from=0, end=3 * CHUNK, asynchronous=True, deadline_s=0.3)
+        loader.start_load_kv(KVRingMetadata([ReqMeta("c", _slots(dst_blocks, 3 * CHUNK), dst_blocks, load=load)]))
+        waited = _finished(loader, "c", timeout=3)
+        assert 0.3 <= waited < 1.5  # at the deadline, not at the 2 s node timeout
+        assert loader.get_block_ids_with_load_errors() == set(dst_blocks)
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+    loader.shutdown()  # waits for the abandoned job's thread: the node answers now, and it must drop it all
+    for name in loader.layer_names:
+        assert torch.equal(loader.kv_caches[name], before[name])
+    stats = loader.counters.take().data
+    assert stats["loads_abandoned"] == 1 and stats["failed_blocks"] == {"abandoned": 6}
+    saver.shutdown()
+    for w in (saver, loader):
+        w.client.close()
