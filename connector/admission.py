@@ -9,6 +9,10 @@
   forward and update).  An idle gap between steps makes a step look slower, so the estimate
   errs towards loading.
 
+A load is refused only when it is predicted clearly slower: by more than half the recompute
+time plus ``SLACK_S``.  Near a tie loading wins, because recomputing occupies the engine that
+every other request needs, while a load mostly waits on the network.
+
 Until both are measured every load is admitted, and so is every ``PROBE_EVERY``-th load that
 would be refused: estimates only change when loads run, so a cluster that was slow and has
 recovered would otherwise never be trusted again.  Runs on the scheduler's thread only.
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 MIN_STEP_TOKENS = 256
 PROBE_EVERY = 8
+SLACK_S = 0.05
 _ALPHA = 0.3  # weight of a new sample in the running estimates
 _MIN_DEADLINE_S = 0.2
 
@@ -74,7 +79,7 @@ class LoadCostModel:
         if self.bandwidth or self.latency:
             load_s = (self.latency or 0.0) + (tokens * self.bytes_per_token / self.bandwidth if self.bandwidth else 0.0)
         recompute_s = tokens / self.prefill_rate if self.prefill_rate else None
-        admit = load_s is None or recompute_s is None or load_s <= recompute_s
+        admit = load_s is None or recompute_s is None or load_s <= 1.5 * recompute_s + SLACK_S
         if not admit:
             self._refused += 1
             admit = self._refused >= PROBE_EVERY  # a probe: measure the cluster again
