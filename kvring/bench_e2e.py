@@ -1,14 +1,16 @@
 """`kvring bench e2e`: time to first token, loaded from a kvring cluster vs recomputed.
 
-One run, one local 3-node cluster, four separate vLLM instances (each its own process, as
+One run, one local 3-node cluster, five separate vLLM instances (each its own process, as
 separate pods would be) on a random Llama big enough for prefill to matter on a CPU (by
 default 6 layers, hidden 1024, GQA 8/4 heads of 128, MLP 11008: 12 KiB of KV per token):
 
 - ``store``: computes each prompt once and saves its chunks (the first instance's cost);
-- ``layerwise`` and ``bulk``: a second instance in each load mode gets the same prompts and
-  loads them (vLLM's own prefix caching off, so every hit comes from kvring); the layerwise
-  instance then prefills each prompt again under a ``cache_salt`` of its own (nothing can
-  load): the recompute baseline in the very same engine, which the speed-ups are against;
+- ``layerwise``, ``bulk`` and ``async``: a second instance in each load mode gets the same
+  prompts and loads them (vLLM's own prefix caching off, so every hit comes from kvring); the
+  ``async`` instance loads between steps while the request waits (its TTFT includes that
+  wait); the layerwise instance then prefills each prompt again under a ``cache_salt`` of its
+  own (nothing can load): the recompute baseline in the very same engine, which the speed-ups
+  are against;
 - ``no connector``: an instance without kvring prefills each prompt from scratch (shown too).
 
 Every instance first runs a short warm-up prompt, so no figure includes engine start-up or
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -36,7 +39,7 @@ from kvring.bench_dataplane import ChunkSpec, RawZmq
 from kvring.local import LocalCluster
 from kvring.report import grouped_bars, write_outputs
 
-MODES = ("layerwise", "bulk")
+MODES = ("layerwise", "bulk", "async")
 
 
 def _prompts(sizes: Sequence[int], seed: int = 7) -> list[list[int]]:
@@ -73,7 +76,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                   intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None) -> dict:
     from kvring.vllm_run import run_instance, write_tiny_llama
 
-    console = Console(width=None if Console().is_terminal else 160)
+    console = Console(width=None if Console().is_terminal else 200)  # the table is 11 columns wide
     tmp = Path(tempfile.mkdtemp(prefix="kvring-bench-e2e-"))
     prompts = _prompts(sizes)
     max_len = max(8192, max(sizes) + 64)
@@ -129,6 +132,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 chunk_bytes = load["load_bytes"] // load["load_chunks"]
                 row["raw_zmq_seconds"] = _raw_zmq_seconds(chunk_bytes, load["load_chunks"], layers)
         bar.advance(task)
+    shutil.rmtree(tmp, ignore_errors=True)  # model and logs (kept if an instance fails: its error names them)
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
                          "kv_heads": 4, "head_dim": 128}, "rows": rows}
@@ -145,20 +149,19 @@ def _table(results: dict) -> Table:
     m = results["model"]
     table = Table(title=f"kvring bench e2e: time to first token, {m['layers']}-layer hidden-{m['hidden']} "
                         f"Llama (MLP {m['intermediate']}) on CPU, 3 nodes")
-    for col in ("tokens", "recompute", "no connector", "A: compute+save", "B layerwise", "B bulk",
-                "loaded", "load GB/s lw|bulk", "raw ZMQ GB/s", "same tokens"):
-        table.add_column(col, justify="right")
+    for col in ("tokens", "recompute", "no connector", "A: compute+save", *(f"B {mode}" for mode in MODES),
+                "loaded", "load GB/s lw|bulk|async", "raw ZMQ GB/s", "same tokens"):
+        table.add_column(col, justify="right", overflow="fold")
     for r in results["rows"]:
-        lw, bulk = r["layerwise"], r["bulk"]
+        b = [r[mode] for mode in MODES]
         table.add_row(
             str(r["tokens"]), f"{r['recompute_ttft']:.2f} s", f"{r['no_connector_ttft']:.2f} s",
             f"{r['store_ttft']:.2f} s",
-            f"{lw['ttft']:.3f} s ({r['recompute_ttft'] / lw['ttft']:.0f}x)",
-            f"{bulk['ttft']:.3f} s ({r['recompute_ttft'] / bulk['ttft']:.0f}x)",
-            f"{lw['loaded_tokens']}|{bulk['loaded_tokens']}",
-            f"{_gbps(lw['load_bytes'], lw['load_seconds']):.2f}|{_gbps(bulk['load_bytes'], bulk['load_seconds']):.2f}",
-            f"{_gbps(bulk['load_bytes'], r.get('raw_zmq_seconds')):.2f}",
-            "yes" if lw["identical"] and bulk["identical"] else "NO")
+            *(f"{x['ttft']:.3f} s ({r['recompute_ttft'] / x['ttft']:.0f}x)" for x in b),
+            "|".join(str(x["loaded_tokens"]) for x in b),
+            "|".join(f"{_gbps(x['load_bytes'], x['load_seconds']):.2f}" for x in b),
+            f"{_gbps(r['bulk']['load_bytes'], r.get('raw_zmq_seconds')):.2f}",
+            "yes" if all(x["identical"] for x in b) else "NO")
     return table
 
 
@@ -166,6 +169,5 @@ def _plot(results: dict, path: Path) -> None:
     rows = results["rows"]
     grouped_bars(path, [f"{r['tokens']} tokens" for r in rows],
                  {"recompute": [r["recompute_ttft"] for r in rows],
-                  "kvring layerwise": [r["layerwise"]["ttft"] for r in rows],
-                  "kvring bulk": [r["bulk"]["ttft"] for r in rows]},
+                  **{f"kvring {mode}": [r[mode]["ttft"] for r in rows] for mode in MODES}},
                  "time to first token (s, log)", "vLLM (CPU): loaded from kvring vs recomputed", log=True)

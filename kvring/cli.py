@@ -229,7 +229,7 @@ def bench_e2e(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
 ) -> None:
-    """Time to first token with real vLLM: loaded from a 3-node cluster (layerwise, bulk) vs recomputed."""
+    """Time to first token with real vLLM: loaded from a 3-node cluster (layerwise, bulk, async) vs recomputed."""
     from kvring.bench_e2e import run_bench_e2e
 
     try:
@@ -242,6 +242,35 @@ def bench_e2e(
                                  param_hint="--tokens")
     run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
                   json_out=json_out, plot=plot)
+
+
+@bench_app.command("miss")
+def bench_miss(
+    prompts: Annotated[int, typer.Option(help="Prompts per batch (one generate call).", min=1)] = 32,
+    tokens: Annotated[int, typer.Option(help="Tokens per prompt (at least one 256-token chunk).", min=256)] = 1024,
+    repetitions: Annotated[int, typer.Option(help="Batches per engine, alternating the engines.", min=1)] = 3,
+    layers: Annotated[int, typer.Option(help="Layers of the random Llama.", min=1)] = 6,
+    hidden: Annotated[int, typer.Option(help="Hidden size of the random Llama (8 heads of 128).", min=128)] = 1024,
+    intermediate: Annotated[int, typer.Option(help="MLP width of the random Llama.", min=1)] = 11008,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "2GiB",
+    omp_bind: Annotated[str, typer.Option(help="same: both engines' threads on every CPU (compares kvring alone); "
+                                               "vllm: vLLM's auto binding, which keeps one more core back when "
+                                               "a KV connector is configured.")] = "same",
+    quick: Annotated[bool, typer.Option(help="A toy model and 2 batches of 8 x 512 tokens (smoke test); "
+                                              "ignores the size options.")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """At 0 % hits: prompt throughput of one vLLM engine with kvring vs without a connector, and the
+    share of the run its scheduler hooks took."""
+    from kvring.bench_miss import OMP_BINDS, MissSettings, run_bench_miss
+
+    if omp_bind not in OMP_BINDS:
+        raise typer.BadParameter(f"{omp_bind!r}: choose one of {', '.join(OMP_BINDS)}", param_hint="--omp-bind")
+    settings = MissSettings.quick(omp_bind) if quick else MissSettings(
+        prompts=prompts, tokens=tokens, repetitions=repetitions, layers=layers, hidden=hidden,
+        intermediate=intermediate, memory=_size(memory, "--memory"), omp_bind=omp_bind)
+    run_bench_miss(settings, json_out=json_out, plot=plot)
 
 
 @app.command()

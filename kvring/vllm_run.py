@@ -29,8 +29,16 @@ SPEC (JSON)::
          | {"signal": [PID, "SIGSTOP"]}               # send a signal (e.g. stop a cache node)
          | {"reset_cache": true}                      # reset_prefix_cache(reset_connector=True): what
                                                       #   vLLM does after an in-place weight update
+         | {"wait_for": PATH, "timeout": 1800}        # wait until the file PATH exists (a driver's go)
+         | {"touch": PATH}                            # create the file PATH (tell a driver a step is done)
 
-Each prompt gets one result, in order (a batch's prompts one each); actions get none.
+Each prompt gets one result, in order (a batch's prompts one each); actions get none.  Each
+generate call (a prompt or a batch) also gets one entry in OUT's ``steps``: its prompts, its wall
+time and the connector's counters after it (``connector_counters``: cumulative, ``{}`` without a
+connector), so a driver can tell what the connector did during one batch.
+
+``wait_for`` and ``touch`` let a driver keep several engines alive and run their batches in
+turn (``start_instance``): ``kvring bench miss`` alternates two engines that way.
 
 The int ids are vLLM-process-local handles for the adapters (vLLM's LoRA manager keys its
 loaded adapters by them); a correct cache must key by what the adapter is, never by its id,
@@ -53,6 +61,7 @@ if TYPE_CHECKING:
     import torch
 
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ACTIONS = {"signal", "reset_cache", "wait_for", "touch"}  # spec steps that run no prompt
 
 
 def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
@@ -157,6 +166,94 @@ def run_instance(tmp: Path, name: str, spec: dict) -> dict:
     return json.loads((tmp / f"{name}.out").read_text())
 
 
+class Instance:
+    """A vLLM instance running a spec in a child process of its own session (``start_instance``).
+
+    Its output (vLLM's log) goes to ``TMP/NAME.log``; with ``tmpdir`` set, the child's (and vLLM's)
+    temporary files (IPC sockets, rendezvous files) go under that directory instead of the system's;
+    ``env`` adds environment variables (e.g. vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
+    """
+
+    def __init__(self, tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        import subprocess
+
+        self.name, self.log, self.out = name, tmp / f"{name}.log", tmp / f"{name}.out"
+        (tmp / f"{name}.json").write_text(json.dumps(spec))
+        env = {**os.environ, **(env or {}), **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.vllm_run", str(tmp / f"{name}.json"),
+                                          str(self.out)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def check(self) -> None:
+        """Raise if the instance has exited with an error (the end of its log in the message)."""
+        code = self.proc.poll()
+        if code:
+            tail = self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+            raise RuntimeError(f"vLLM instance {self.name!r} failed (exit {code}):\n{tail}")
+
+    def wait_file(self, path: Path, timeout: float) -> None:
+        """Wait until the instance creates ``path`` (a ``touch`` step); raise if it exits first."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            self.check()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM instance {self.name!r} exited before {path.name}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM instance {self.name!r}: no {path.name} within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def result(self, timeout: float | None = None) -> dict:
+        """Wait for the instance to finish; its OUT as a dict."""
+        self.proc.wait(timeout)
+        self.check()
+        return json.loads(self.out.read_text())
+
+    def stop(self) -> None:
+        """End the instance and every process it started (its session), if still running."""
+        import subprocess
+
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:  # SIGTERM was not enough: SIGKILL
+                continue
+
+
+def start_instance(tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,
+                   env: dict[str, str] | None = None) -> Instance:
+    """Start ``spec`` in a vLLM instance of its own (a child process) and return at once."""
+    return Instance(tmp, name, spec, tmpdir, env)
+
+
+def connector_counters() -> dict[str, float]:
+    """The connector's counters as vLLM's Prometheus metrics hold them in this process (cumulative).
+
+    ``{name: value}`` for every ``vllm:kvring_<name>_total`` series, summed over labels (engines,
+    and for ``failed_blocks`` the reasons); ``{}`` when the engine has no connector.  Read from
+    prometheus_client's registry directly: ``LLM.get_metrics()`` returns the same series but
+    truncates every counter to an int (vLLM's ``v1/metrics/reader.py``), which turns seconds
+    such as ``scheduler_hook_seconds`` into 0.
+    """
+    from prometheus_client import REGISTRY
+
+    counters: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        if metric.type != "counter" or not metric.name.startswith("vllm:kvring_"):
+            continue
+        name = metric.name.removeprefix("vllm:kvring_")
+        counters[name] = sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return counters
+
+
 def _lora_requests(lora: dict) -> dict[str, Any]:
     """One ``LoRARequest`` per adapter of ``spec["lora"]``, with its int id (given, or 1, 2, ... in order)."""
     from vllm.lora.request import LoRARequest
@@ -186,7 +283,7 @@ def _prompt_items(items: list[dict]) -> list[dict]:
     for item in items:
         if "batch" in item:
             out.extend(item["batch"])
-        elif "signal" not in item and "reset_cache" not in item:
+        elif not _ACTIONS & set(item):
             out.append(item)
     return out
 
@@ -235,8 +332,14 @@ def run(spec: dict) -> dict:
     lora_requests = _lora_requests(spec["lora"]) if spec.get("lora") else {}
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
-    results = []
+    results, steps = [], []
     for step in spec["prompts"]:
+        if "wait_for" in step:
+            _wait_for(Path(step["wait_for"]), step.get("timeout", 1800))
+            continue
+        if "touch" in step:
+            Path(step["touch"]).touch()
+            continue
         if "signal" in step:
             pid, sig = step["signal"]
             os.kill(int(pid), getattr(signal, sig))
@@ -257,6 +360,8 @@ def run(spec: dict) -> dict:
             results.append({"tokens": list(out.outputs[0].token_ids), "seconds": t1 - t0,
                             "ttft": getattr(metrics, "first_token_latency", None) if metrics else None,
                             "cached": getattr(out, "num_cached_tokens", None)})
+        steps.append({"prompts": len(outs), "seconds": t1 - t0,
+                      "counters": connector_counters() if spec.get("connector") else {}})
     keys: list[list[str] | None] = []
     layout_fields = None
     if spec.get("connector"):
@@ -271,7 +376,15 @@ def run(spec: dict) -> dict:
         keys = [[k.hex() for k in request_keys(layout, item["tokens"], KeyScope(cache_salt=item.get("salt") or ""))]
                 if "tokens" in item and not item.get("lora") else None for item in _prompt_items(spec["prompts"])]
         layout_fields = dataclasses.asdict(layout)
-    return {"results": results, "keys": keys, "layout": layout_fields}
+    return {"results": results, "keys": keys, "layout": layout_fields, "steps": steps}
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s (is the driver gone?)")
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":
