@@ -1,7 +1,7 @@
 # kvring: `make demo` runs two vLLM instances sharing prefixes through a local cluster; `make test` runs the tests.
 # Both set up what they need first (scripts/setup.sh: etcd, redis, .venv).
 
-.PHONY: setup demo up test bench bench-e2e trace clean
+.PHONY: setup demo up test bench bench-e2e bench-miss bench-slow-node trace clean
 
 setup:
 	@scripts/setup.sh
@@ -20,6 +20,12 @@ bench: setup
 
 bench-e2e: setup
 	.venv/bin/kvring bench e2e --json out/bench-e2e.json --plot out/bench-e2e.png
+
+bench-miss: setup
+	.venv/bin/kvring bench miss --json out/bench-miss.json --plot out/bench-miss.png
+
+bench-slow-node: setup
+	.venv/bin/kvring bench slow-node --json out/bench-slow-node.json --plot out/bench-slow-node.png
 
 trace: setup
 	.venv/bin/kvring trace ../shared/traces/conversation_trace.jsonl --json out/trace.json --plot out/trace.png

@@ -273,6 +273,27 @@ def bench_miss(
     run_bench_miss(settings, json_out=json_out, plot=plot)
 
 
+@bench_app.command("slow-node")
+def bench_slow_node(
+    stop_ms: Annotated[float, typer.Option(help="The slowed node is stopped (SIGSTOP) this long ...", min=1)] = 300.0,
+    run_ms: Annotated[float, typer.Option(help="... then runs this long, over and over.", min=1)] = 30.0,
+    lookup_deadline_ms: Annotated[float | None, typer.Option(
+        help="The connector's lookup_deadline_ms [default: the connector's].", min=0)] = None,
+    quick: Annotated[bool, typer.Option(help="A toy model and fewer, shorter prompts (smoke test).")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Async loads while one node is slowed: what the connector decided per prompt (loaded, abandoned
+    at its deadline, refused by admission) and the time to first token, healthy / slowed / recovered."""
+    import dataclasses
+
+    from kvring.bench_slow_node import SlowNodeSettings, run_bench_slow_node
+
+    settings = SlowNodeSettings.quick() if quick else SlowNodeSettings()
+    run_bench_slow_node(dataclasses.replace(settings, stop_ms=stop_ms, run_ms=run_ms, lookup_deadline_ms=lookup_deadline_ms),
+                        json_out=json_out, plot=plot)
+
+
 @app.command()
 def trace(
     file: Annotated[Path, typer.Argument(help="Trace in Mooncake FAST'25 format (JSON lines).", exists=True)],

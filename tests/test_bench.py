@@ -101,3 +101,33 @@ def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
     assert all(f"B {mode}" in text for mode in MODES) and "768|768|768" in text
     _plot(results, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_slow_node_bench_reads_each_prompts_decision_from_the_counters_around_it():
+    """The slow-node bench's bookkeeping on a run's output as vllm_run writes it (no engine here:
+    the bench itself runs one; this checks which counters and results belong to which prompt)."""
+    from kvring.bench_slow_node import SlowNodeSettings, _results
+
+    s = SlowNodeSettings(prompts_per_phase=(1, 3, 1))
+    n = 5
+    computed = [{"tokens": [i], "ttft": 1.0, "cached": 0} for i in range(n)]
+    recomputes = [{"tokens": [i], "ttft": 0.1 + i / 100, "cached": 0} for i in range(n)]
+    decided = [("loaded", 896), ("abandoned", 0), ("refused", 0), ("lookup past deadline", 0), ("loaded", 896)]
+    runs = [{"tokens": [i], "ttft": 0.05, "cached": cached} for i, (_, cached) in enumerate(decided)]
+    counters, c = [], {"hit_tokens": 0, "loads_abandoned": 0, "loads_refused": 0, "lookups_past_deadline": 0}
+    counters += [dict(c), dict(c)] + [dict(c) for _ in range(n)]  # warm-up, the batch, the recomputes
+    for decision, cached in decided:
+        key = {"loaded": "hit_tokens", "abandoned": "loads_abandoned", "refused": "loads_refused",
+               "lookup past deadline": "lookups_past_deadline"}[decision]
+        c[key] += cached or 1
+        if decision == "abandoned":
+            c["hit_tokens"] += 896  # an abandoned load was a hit first
+        counters.append(dict(c))
+    out = {"results": [{"tokens": [], "ttft": 0.1, "cached": 0}] + computed + recomputes + runs,
+           "steps": [{"counters": x} for x in counters]}
+    r = _results(s, out)
+    assert [row["decision"] for row in r["rows"]] == [d for d, _ in decided]
+    assert [row["phase"] for row in r["rows"]] == ["healthy", "slowed", "slowed", "slowed", "recovered"]
+    assert [row["recompute_ttft"] for row in r["rows"]] == [x["ttft"] for x in recomputes]
+    assert r["all_same_tokens"] and r["summary"]["slowed"]["decisions"] == {
+        "abandoned": 1, "lookup past deadline": 1, "refused": 1}

@@ -18,7 +18,8 @@ KVRING = [sys.executable, "-P", "-m", "kvring.cli"]  # -P: see scripts/setup.sh
 
 
 @pytest.mark.parametrize("args", [[], ["up"], ["node"], ["ring"], ["trace"], ["bench"], ["bench", "data-plane"],
-                                  ["bench", "e2e"], ["demo"], ["admin"], ["drain"], ["operator"]])
+                                  ["bench", "e2e"], ["bench", "miss"], ["bench", "slow-node"], ["demo"], ["admin"],
+                                  ["drain"], ["operator"]])
 def test_every_command_has_help(args):
     out = subprocess.run([*KVRING, *args, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
