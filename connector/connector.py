@@ -10,76 +10,23 @@ Use it with::
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvring.cachenode import ClusterClient, ContractMismatch
 from kvring.cachenode.hashing import FORMAT_VERSION, HASH_ALGORITHM
 
 from .config import ConnectorConfig
-from .keys import KVLayout
+from .instance import check_kv_groups, layout_from_vllm
 from .metadata import KVRingMetadata
 from .scheduler import SchedulerSide
 from .stats import KVRingPromMetrics, KVRingStats
 from .worker import WorkerSide
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def layout_from_vllm(vllm_config, chunk_size: int, tp_rank: int = 0, weights_version: str = "") -> KVLayout:
-    """The KV-compatibility namespace of this vLLM instance."""
-    model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    hf = getattr(model, "hf_config", None)
-    identity = (hf.to_json_string() if hf is not None else model.model) + f"\nrevision={model.revision}"
-    fingerprint = hashlib.blake2b(identity.encode(), digest_size=16).hexdigest()
-    kv_dtype = vllm_config.cache_config.cache_dtype
-    if kv_dtype == "auto":
-        kv_dtype = str(model.dtype).removeprefix("torch.")
-    return KVLayout(
-        model=str(model.model), config_fingerprint=fingerprint, kv_dtype=str(kv_dtype),
-        num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
-        head_size=model.get_head_size(), block_layout="BHNC", chunk_size=chunk_size,
-        tp_size=parallel.tensor_parallel_size, tp_rank=tp_rank, weights_version=weights_version)
-
-
-def bytes_per_token(layout: KVLayout) -> int:
-    """KV bytes of one token across all layers (K and V)."""
-    return layout.num_layers * layout.num_kv_heads * layout.head_size * 2 * _DTYPE_BYTES.get(layout.kv_dtype, 1)
-
-
-def check_kv_groups(kv_cache_config) -> None:
-    """Refuse a model whose KV the connector cannot load correctly (``ValueError`` saying why).
-
-    kvring stores every layer of a token range as one chunk and loads it into one block table.
-    Models with several KV-cache groups (sliding-window next to full-attention layers, SSM
-    state, ...) have a block table per group, and vLLM cannot take block-level load failures
-    for them; MLA caches have another shape.  Serving such a model through the connector
-    would risk wrong KV, so it is refused at start rather than run wrongly.
-    """
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    problems = []
-    if len(groups) > 1:
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        problems.append(f"{len(groups)} KV-cache groups ({', '.join(kinds)}: e.g. sliding-window layers next to "
-                        "full-attention ones), and kvring loads one block table per chunk")
-    for g in groups:
-        spec = g.kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
-            problems.append(f"layers {g.layer_names[:2]}... use {type(spec).__name__}, kvring loads full-attention "
-                            "KV only")
-            break
-    if problems:
-        raise ValueError("KVRingConnector cannot serve this model without risking wrong KV: " + "; ".join(problems)
-                         + ". Serve it without --kv-transfer-config (vLLM's hybrid KV manager stays on).")
-
 
 def connect(config: ConnectorConfig) -> ClusterClient:
     """A cluster client whose hashing contract matches ours, or ``ContractMismatch``."""
@@ -129,7 +76,7 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
             layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version)
-            self._scheduler = SchedulerSide(self.config, layout, self.client, block_size, bytes_per_token(layout))
+            self._scheduler = SchedulerSide(self.config, layout, self.client, block_size, layout.bytes_per_token)
             self._worker = None
         else:
             self._scheduler = None

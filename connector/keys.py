@@ -27,6 +27,8 @@ import numpy as np
 
 from kvring.cachenode.hashing import ChunkHash, chained_hashes
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # others (fp8 variants): 1
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -43,6 +45,11 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     weights_version: str = ""  # the user's name for the weights (checkpoint step, revision)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token across all layers (K and V)."""
+        return self.num_layers * self.num_kv_heads * self.head_size * 2 * _DTYPE_BYTES.get(self.kv_dtype, 1)
 
     def namespace(self, scope: KeyScope | None = None) -> str:
         """The chain's root string for requests of ``scope``."""

@@ -317,7 +317,7 @@ def layout_of(spec: dict, chunk_size: int):
     """
     from vllm.engine.arg_utils import EngineArgs
 
-    from kvring.connector.connector import layout_from_vllm
+    from kvring.connector.instance import layout_from_vllm
 
     kw = engine_kwargs({**spec, "connector": None})
     config = EngineArgs(**kw).create_engine_config()
@@ -366,7 +366,7 @@ def run(spec: dict) -> dict:
     layout_fields = None
     if spec.get("connector"):
         from kvring.cachenode import ClusterClient
-        from kvring.connector.connector import layout_from_vllm
+        from kvring.connector.instance import layout_from_vllm
         from kvring.connector.keys import KeyScope, request_keys
 
         with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
