@@ -42,6 +42,7 @@ class Lookup:
     future: concurrent.futures.Future | None = None
     hit_chunks: int | None = None  # leading chunks present in the cluster
     hit_tokens: int = 0  # what vLLM was told it can load, counted from the prompt's start
+    admitted: bool | None = None  # admission's decision, made once per lookup however often vLLM asks
     counted: bool = False  # its tokens are in the hit-rate counters
 
 
@@ -66,6 +67,23 @@ class _StepClock:
     loads: list[str] = field(default_factory=list)
 
 
+class _LateLookups:
+    """Warns of lookups past their deadline at most every ``every`` seconds (a hung node makes many)."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last = -every
+        self._since = 0
+
+    def note(self, req_id: str, deadline_ms: float) -> None:
+        self._since += 1
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            logger.warning("kvring: %d lookup(s) not answered within %.0f ms (the last: request %s) are "
+                           "recomputed; is a cache node hung or overloaded?", self._since, deadline_ms, req_id)
+            self._last, self._since = now, 0
+
+
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, layout: KVLayout, client: ClusterClient, block_size: int,
                  bytes_per_token: int) -> None:
@@ -84,6 +102,7 @@ class SchedulerSide:
         self._trackers: dict[str, RequestTracker] = {}
         self._requests: dict[str, object] = {}
         self._step = _StepClock(config.lookup_wait_ms / 1000)
+        self._late = _LateLookups()
 
     # ---- lookups --------------------------------------------------------------------------
 
@@ -127,8 +146,7 @@ class SchedulerSide:
         elif time.monotonic() - lookup.sent >= self.config.lookup_deadline_ms / 1000:
             fut.cancel()
             self.counters.add(lookups_past_deadline=1)
-            logger.warning("kvring lookup for request %s not answered within %.0f ms; recomputing it",
-                           req_id, self.config.lookup_deadline_ms)
+            self._late.note(req_id, self.config.lookup_deadline_ms)
             lookup.hit_chunks = 0
         return lookup.hit_chunks
 
@@ -161,13 +179,15 @@ class SchedulerSide:
         if hit_tokens <= num_computed_tokens:
             return 0, False
         new = hit_tokens - num_computed_tokens
-        if self.config.load_admission:
+        if self.config.load_admission and lookup.admitted is None:
             decision = self.cost.decide(new)
+            lookup.admitted = decision.admit
             if not decision.admit:
                 self.counters.add(loads_refused=1)
                 logger.info("kvring: request %s recomputes %d tokens instead of loading them (load %.3f s "
                             "predicted, recompute %.3f s)", req_id, new, decision.load_s, decision.recompute_s)
-                return 0, False
+        if lookup.admitted is False:
+            return 0, False
         lookup.hit_tokens = hit_tokens
         return new, self.config.load_mode == "async"
 

@@ -220,3 +220,19 @@ def test_admission_learns_from_an_abandoned_load_and_probes_again():
     for _ in range(20):
         model.loads_measured(nbytes=4096 * 1024, seconds=0.01, loads=1)
     assert model.decide(4096).admit
+
+
+def test_admission_decides_once_per_request_however_often_vllm_asks(cluster):
+    sched, client = _scheduler(cluster)
+    try:
+        tokens = np.random.default_rng(4).integers(10, 30_000, size=3 * CHUNK + 1).tolist()
+        _store(client, request_keys(LAYOUT, tokens))
+        sched.cost.prefill_rate, sched.cost.bandwidth = 1e9, 1.0  # loading predicted hopeless
+        request = _request("r", tokens)
+        assert _poll(sched, request)[0] == 0
+        for _ in range(20):  # a request waiting for blocks is asked again and again
+            assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        stats = sched.counters.take().data
+        assert stats["loads_refused"] == 1 and stats["lookups"] == 1
+    finally:
+        client.close()
