@@ -177,6 +177,11 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     # Another tenant's salt shares nothing; nor does the same prompt without a salt.
     assert api.post("/v1/lookup", json=_layout_body(tokens, "tenant-8")).json()["matched_chunks"] == 0
     assert api.post("/v1/lookup", json=_layout_body(tokens)).json()["matched_chunks"] == 0
+    # Under a LoRA adapter or another weights epoch the keys are the connector's for those: none stored.
+    scoped = KeyScope(cache_salt=salt, adapter="content:0123", weights_epoch=2)
+    under = api.post("/v1/lookup", json=_layout_body(tokens, salt, adapter="content:0123", weights_epoch=2)).json()
+    assert under["namespace"] == LAYOUT.namespace(scoped) != namespace and under["matched_chunks"] == 0
+    assert [c["key"] for c in under["chunks"]] == [k.hex() for k in request_keys(LAYOUT, tokens, scoped)]
     # A prompt shorter than one chunk has nothing to look up.
     short = api.post("/v1/lookup", json=_layout_body(tokens[:100], salt)).json()
     assert short["chunks_total"] == 0 and short["matched_tokens"] == 0
