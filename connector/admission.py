@@ -74,11 +74,17 @@ class LoadCostModel:
 
     # ---- predictions ----------------------------------------------------------------------
 
-    def decide(self, tokens: int) -> Decision:
-        load_s = None  # not measured yet; with latency only, a lower bound
+    def predict(self, tokens: int) -> tuple[float | None, float | None]:
+        """Predicted (load, recompute) seconds of ``tokens``; ``None`` where not measured yet."""
+        load_s = None  # with latency only, a lower bound
         if self.bandwidth or self.latency:
             load_s = (self.latency or 0.0) + (tokens * self.bytes_per_token / self.bandwidth if self.bandwidth else 0.0)
         recompute_s = tokens / self.prefill_rate if self.prefill_rate else None
+        return load_s, recompute_s
+
+    def decide(self, tokens: int) -> Decision:
+        """Load ``tokens`` or recompute them; counts towards the next probe (call once per request)."""
+        load_s, recompute_s = self.predict(tokens)
         admit = load_s is None or recompute_s is None or load_s <= 1.5 * recompute_s + SLACK_S
         if not admit:
             self._refused += 1
@@ -91,7 +97,7 @@ class LoadCostModel:
         """How long an asynchronous load of ``tokens`` may take before it is abandoned."""
         if self.load_deadline_s > 0:
             return self.load_deadline_s
-        recompute_s = self.decide(tokens).recompute_s
+        _, recompute_s = self.predict(tokens)
         if recompute_s is None:
             return self.timeout_s
         return min(self.timeout_s, max(_MIN_DEADLINE_S, 2 * recompute_s))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,12 +61,6 @@ class RequestTracker:
     namespace: str = ""  # the request's key namespace, tagged on its saves (flushable as one)
 
 
-@dataclass
-class _StepClock:
-    wait_left: float = 0.0  # seconds this step may still wait for lookups in flight
-    loads: list[str] = field(default_factory=list)
-
-
 class _LateLookups:
     """Warns of lookups past their deadline at most every ``every`` seconds (a hung node makes many)."""
 
@@ -101,10 +95,15 @@ class SchedulerSide:
         self._async_loads: dict[str, tuple[LoadSpec, list[int]]] = {}  # req -> (load, its blocks)
         self._trackers: dict[str, RequestTracker] = {}
         self._requests: dict[str, object] = {}
-        self._step = _StepClock(config.lookup_wait_ms / 1000)
+        self._wait_left = 0.0  # seconds this step may still wait for lookups in flight
+        self.new_step()
         self._late = _LateLookups()
 
     # ---- lookups --------------------------------------------------------------------------
+
+    def new_step(self) -> None:
+        """A scheduler step begins: its allowance for waiting on lookups in flight starts over."""
+        self._wait_left = self.config.lookup_wait_ms / 1000
 
     def on_new_request(self, request) -> None:
         start = time.perf_counter()
@@ -131,10 +130,10 @@ class SchedulerSide:
             return lookup.hit_chunks
         fut = lookup.future
         left = self.config.lookup_deadline_ms / 1000 - (time.monotonic() - lookup.sent)
-        if not fut.done() and self._step.wait_left > 0 and left > 0:
+        if not fut.done() and self._wait_left > 0 and left > 0:
             t0 = time.monotonic()
-            concurrent.futures.wait([fut], timeout=min(self._step.wait_left, left))
-            self._step.wait_left -= time.monotonic() - t0
+            concurrent.futures.wait([fut], timeout=min(self._wait_left, left))
+            self._wait_left -= time.monotonic() - t0
         if fut.done():
             try:
                 present = fut.result()
@@ -216,7 +215,7 @@ class SchedulerSide:
         start = time.perf_counter()
         self.cost.step_started(scheduler_output.total_num_scheduled_tokens,
                                loads=bool(self._pending_load or self._async_loads))
-        self._step = _StepClock(self.config.lookup_wait_ms / 1000)
+        self.new_step()
         meta = KVRingMetadata()
         for req_id, (load, block_ids) in self._async_loads.items():
             meta.requests.append(ReqMeta(req_id, self._slots(block_ids, load.end), block_ids, load, None))

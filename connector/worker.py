@@ -51,7 +51,6 @@ class _LoadJob:
         self.layer_done = [threading.Event() for _ in worker.layer_names]
         self.finished = threading.Event()
         self.failed_blocks: set[int] = set()
-        self.req_ids = [r.req_id for r in requests]
         self.deadline = (time.monotonic() + max(r.load.deadline_s for r in requests)
                          if all(r.load.deadline_s > 0 for r in requests) else None)
         # Held by every copy into the cache; ``abandon`` takes it, so no copy lands after it.

@@ -26,7 +26,6 @@ import signal
 import statistics
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -40,7 +40,8 @@ def find_etcd() -> str:
     return path
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+def stop_process_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGTERM the process group ``proc`` leads; SIGKILL it if ``proc`` has not exited after ``timeout``."""
     if proc.poll() is not None:
         return
     try:
@@ -90,7 +91,7 @@ class LocalEtcd:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process_group(self.proc)
 
     def close(self) -> None:
         self.stop()
@@ -172,7 +173,7 @@ class NodeProcess:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process_group(self.proc)
         self._release()
 
     def _release(self) -> None:
@@ -229,7 +230,7 @@ class AdminProcess:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process_group(self.proc)
             if self.proc.stderr is not None:
                 self.proc.stderr.close()
 

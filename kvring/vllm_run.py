@@ -212,20 +212,9 @@ class Instance:
 
     def stop(self) -> None:
         """End the instance and every process it started (its session), if still running."""
-        import subprocess
+        from kvring.local import stop_process_group
 
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:  # SIGTERM was not enough: SIGKILL
-                continue
+        stop_process_group(self.proc, timeout=15)
 
 
 def start_instance(tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,

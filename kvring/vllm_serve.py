@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvring.local import free_port
+from kvring.local import free_port, stop_process_group
 
 
 class VLLMServerError(RuntimeError):
@@ -177,13 +177,7 @@ class VLLMServer:
         """SIGTERM the process group, SIGKILL what is left after ``timeout``; remove the private dir."""
         if self.proc is not None:
             pgid = self.proc.pid  # start_new_session: the server leads its own group
-            if self.proc.poll() is None:
-                _signal_group(pgid, signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    _signal_group(pgid, signal.SIGKILL)
-                    self.proc.wait()
+            stop_process_group(self.proc, timeout)
             # The engine and worker processes may outlive a server that died: end the group.
             deadline = time.monotonic() + 5
             while _signal_group(pgid, 0) and time.monotonic() < deadline:

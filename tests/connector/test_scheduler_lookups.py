@@ -48,7 +48,7 @@ def _poll(sched: SchedulerSide, request, timeout: float = 5.0) -> tuple[int, flo
         if n is not None:
             assert not is_async
             return n, time.monotonic() - start, longest
-        sched._step.wait_left = sched.config.lookup_wait_ms / 1000  # a new scheduler step
+        sched.new_step()
         time.sleep(0.005)
     raise AssertionError(f"no answer within {timeout} s")
 
@@ -120,7 +120,7 @@ def test_a_hung_node_delays_only_its_requests_and_only_until_the_deadline(cluste
             sched.on_new_request(free)
             answers, longest = {}, 0.0
             while len(answers) < 2 and time.monotonic() - start < 5:  # one pass per scheduler step
-                sched._step.wait_left = sched.config.lookup_wait_ms / 1000
+                sched.new_step()
                 for request in (hung, free):
                     if request.request_id in answers:
                         continue
@@ -213,6 +213,8 @@ def test_admission_learns_from_an_abandoned_load_and_probes_again():
     model.prefill_rate = 10_000.0  # 0.4 s to recompute 4096 tokens
     model.loads_measured(nbytes=0, seconds=2.0, loads=1)  # abandoned after 2 s with nothing moved
     assert model.bandwidth is None and model.latency == pytest.approx(2.0)
+    for _ in range(3 * PROBE_EVERY - 1):  # an async load's deadline is a prediction: it never counts towards a probe
+        model.deadline_s(4096)
     decisions = [model.decide(4096) for _ in range(PROBE_EVERY)]
     assert not any(d.admit for d in decisions[:-1]) and decisions[0].load_s == pytest.approx(2.0)
     assert decisions[-1].admit  # every PROBE_EVERY-th refused load runs, to notice a recovery
@@ -234,5 +236,18 @@ def test_admission_decides_once_per_request_however_often_vllm_asks(cluster):
             assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
         stats = sched.counters.take().data
         assert stats["loads_refused"] == 1 and stats["lookups"] == 1
+    finally:
+        client.close()
+
+
+def test_a_request_whose_adapter_cannot_be_read_recomputes(cluster):
+    sched, client = _scheduler(cluster)
+    try:
+        request = _request("r", list(range(10, 3 * CHUNK)))
+        request.lora_request = SimpleNamespace(lora_name="gone", lora_int_id=1, lora_path="/nonexistent/adapter")
+        sched.on_new_request(request)  # the keys cannot be made: no lookup, no error into vLLM
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        stats = sched.counters.take()
+        assert stats is None or stats.data["lookups"] == 0
     finally:
         client.close()
