@@ -29,10 +29,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvring.common.chunk import ChunkItem
+from kvring.common.contract import Contract
+from kvring.common.errors import KVRingError
+from kvring.common.ring import HashRing
+from kvring.common.types import LEFT_RING_STATES, NodeState
+from kvring.membership.settings import EtcdSettings
+
 from .client import ClusterClient
-from .errors import KVRingError
-from .membership import LEFT_RING_STATES, Contract, EtcdSettings
-from .ring import HashRing
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +136,7 @@ class Handoff:
                                       "answer); retrying")
             return
         self._blocked("", "")
-        if self.state() == "draining":
+        if self.state() == NodeState.DRAINING:
             self.on_drained()
 
     def _blocked(self, reason: str, waiting: str) -> None:
@@ -149,10 +153,9 @@ class Handoff:
             leaving = [k for k, owners in zip(keys, ring.owners_many(keys)) if self.node_id not in owners]
             for i in range(0, len(leaving), self.batch):
                 chunks = [c for c in client.get(leaving[i:i + self.batch], node=self.node_id) if c is not None]
-                items = [(c.key, c.data, c.meta.shape, c.meta.dtype, c.meta.tokens, c.meta.namespace)
-                         for c in chunks]
+                items = [ChunkItem(c.key, c.data, c.meta) for c in chunks]
                 stored = client.put_many(items) if items else []
-                done = [item[0] for item, n in zip(items, stored) if n > 0]
+                done = [item.key for item, n in zip(items, stored) if n > 0]
                 if done:
                     client.delete(done, node=self.node_id)
                 moved += len(done)

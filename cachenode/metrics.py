@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .protocol import ERROR_CODES
+from kvring.common.errors import ErrorCode
 
 OPS = ("ping", "lookup", "get", "put", "delete", "stats", "keys", "flush")
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
@@ -28,15 +28,13 @@ class NodeMetrics:
         self._hits = {op: hits.labels(op) for op in ("lookup", "get")}
         self._misses = {op: misses.labels(op) for op in ("lookup", "get")}
         self.errors = Counter("kvring_node_errors", "Requests answered with an error, by kind", ["kind"], registry=r)
-        for code in ERROR_CODES:
-            self.errors.labels(code)
         self.bytes_in = Counter("kvring_node_received_bytes", "Payload bytes received (PUT)", registry=r)
         self.bytes_out = Counter("kvring_node_sent_bytes", "Payload bytes sent (GET)", registry=r)
         self.latency = Histogram("kvring_node_op_seconds", "Time to handle a request, by operation", ["op"],
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self._op_latency = {op: self.latency.labels(op) for op in OPS}
-        self._errors = {code: self.errors.labels(code) for code in ERROR_CODES}
-        self.error_tally = dict.fromkeys(ERROR_CODES, 0)
+        self._errors = {code: self.errors.labels(code) for code in ErrorCode}
+        self.error_tally = dict.fromkeys(ErrorCode, 0)
 
     def observe(self, op: str, seconds: float) -> None:
         hist = self._op_latency.get(op)
@@ -50,7 +48,6 @@ class NodeMetrics:
         self.tally[f"{op}_hits"] += hits
         self.tally[f"{op}_misses"] += misses
 
-    def error(self, code: str) -> None:
-        code = code if code in self._errors else "internal"
+    def error(self, code: ErrorCode) -> None:
         self._errors[code].inc()
         self.error_tally[code] += 1

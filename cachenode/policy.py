@@ -3,72 +3,54 @@
 A policy only orders keys; the store owns the bytes and decides how many to evict.
 Threading contract: policies are not thread-safe; the store calls them from its one owner
 thread (the node's I/O thread) and never re-enters them.
+
+A policy keeps no table of its own: the store attaches its table of entries (a plain dict,
+which keeps insertion order, new keys at the end) and the policy orders that dict in place.
+A hash table costs a chunk 30 to 120 bytes depending on where it is between resizes, and the
+store charges its bookkeeping per chunk against the budget: one table instead of two is a
+good part of what keeps that within ``ENTRY_OVERHEAD``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Iterator
 
 
 class EvictionPolicy(ABC):
-    """Orders the keys of a store for eviction."""
+    """Orders the keys of one store's table for eviction."""
+
+    _table: dict[bytes, object] | None = None
+
+    def attach(self, table: dict[bytes, object]) -> None:
+        """Called once by the store that owns ``table`` before any other method."""
+        if self._table is not None:
+            raise ValueError("an eviction policy orders one store; make one per store (make_policy)")
+        self._table = table
 
     @abstractmethod
-    def inserted(self, key: bytes) -> None: ...
+    def accessed(self, key: bytes) -> None:
+        """``key`` (stored) was read or looked up."""
 
-    @abstractmethod
-    def accessed(self, key: bytes) -> None: ...
-
-    @abstractmethod
-    def removed(self, key: bytes) -> None: ...
-
-    @abstractmethod
     def candidates(self) -> Iterator[bytes]:
         """Keys in the order they should be evicted (the store may skip leased ones).
 
         The iterator is live: the caller must not insert or remove while iterating."""
+        return iter(self._table)
 
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used first; inserts and reads both count as use."""
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()
-
-    def inserted(self, key: bytes) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
     def accessed(self, key: bytes) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def removed(self, key: bytes) -> None:
-        self._order.pop(key, None)
-
-    def candidates(self) -> Iterator[bytes]:
-        return iter(self._order)
+        self._table[key] = self._table.pop(key)  # back in at the most recent end
 
 
 class FIFOPolicy(EvictionPolicy):
     """Oldest insert first; reads do not refresh (for comparison in trace replays)."""
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()
-
-    def inserted(self, key: bytes) -> None:
-        self._order.setdefault(key, None)
-
     def accessed(self, key: bytes) -> None:
         pass
-
-    def removed(self, key: bytes) -> None:
-        self._order.pop(key, None)
-
-    def candidates(self) -> Iterator[bytes]:
-        return iter(self._order)
 
 
 POLICIES = {"lru": LRUPolicy, "fifo": FIFOPolicy}

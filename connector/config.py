@@ -122,14 +122,3 @@ def _convert(name: str, raw: Any, type_name: str) -> Any:
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a {type_name}, got {raw!r} (kv_connector_extra_config "
                          f"'{name}' or KVRING_{name.upper()})") from None
-
-
-def transfer_config(etcd: str, cluster: str, **extra: Any) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` object that points vLLM at a cluster (what ``kvring up`` prints).
-
-    ``kv_load_failure_policy: recompute``: a chunk that cannot be loaded is recomputed, never a
-    failed request.  ``extra`` adds connector settings (``load_mode``, ``chunk_size``, ...).
-    """
-    return {"kv_connector": "KVRingConnector", "kv_connector_module_path": "kvring.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"etcd": etcd, "cluster": cluster, **extra}}

@@ -16,8 +16,9 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvring.cachenode import ClusterClient, ContractMismatch
-from kvring.cachenode.hashing import FORMAT_VERSION, HASH_ALGORITHM
+from kvring.cachenode.client import ClusterClient
+from kvring.common.errors import ContractMismatch
+from kvring.common.hashing import FORMAT_VERSION, HASH_ALGORITHM
 
 from .config import ConnectorConfig
 from .instance import check_kv_groups, layout_from_vllm

@@ -1,6 +1,6 @@
 """Chunk keys for vLLM requests: everything that changes a chunk's KV is in its key.
 
-A chunk's key is a chained hash (``kvring.cachenode.hashing.chained_hashes``) whose root, the
+A chunk's key is a chained hash (``kvring.common.hashing.chained_hashes``) whose root, the
 *namespace*, folds in:
 
 - the instance's ``KVLayout``: model name, config fingerprint, ``weights_version``, KV dtype,
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvring.cachenode.hashing import ChunkHash, chained_hashes
+from kvring.common.hashing import ChunkHash, chained_hashes
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # others (fp8 variants): 1
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvring.cachenode import ClusterClient
+from kvring.cachenode.client import ClusterClient
 
 from .adapters import AdapterIdentities
 from .admission import LoadCostModel

@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvring.cachenode import ClusterClient
+from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkItem
 
 from .config import ConnectorConfig
 from .copies import buffer_runs, copies_for, slot_runs
@@ -317,8 +318,8 @@ class WorkerSide:
         start = time.perf_counter()
         try:
             self.copies.wait_saved(copied)  # on CUDA: the device-to-host copies have landed
-            items = [(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1], namespace)
-                     for key, buf in zip(keys, bufs)]
+            items = [ChunkItem.of(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1],
+                                  namespace) for key, buf in zip(keys, bufs)]
             stored = self.client.put_many(items)
             saved = [buf for buf, s in zip(bufs, stored) if s]
             self.chunks_saved += len(saved)

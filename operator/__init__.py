@@ -10,6 +10,6 @@
 - ``kube``: create-or-patch of the children; ``config`` and ``main``: the command's settings and
   entry point.
 
-From the data plane the operator imports only ``kvring.cachenode.membership`` (etcd); it never
-imports the connector, and ``kopf``/``kubernetes_asyncio`` are imported nowhere else.
+Besides ``kvring.common`` the operator imports only ``kvring.membership`` (etcd); it never
+imports the data plane or the connector, and ``kopf``/``kubernetes_asyncio`` are imported nowhere else.
 """

@@ -12,6 +12,8 @@ import hashlib
 import json
 from typing import Any
 
+from kvring.common.contract import transfer_config
+
 from .naming import cluster_key, etcd_endpoints
 from .spec import ClusterSpec
 
@@ -24,17 +26,8 @@ ADMIN_SECRET_KEY = "admin-token-secret"
 
 def connector_config(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
     """The exact ``--kv-transfer-config`` object a vLLM deployment needs to use this cluster."""
-    return {
-        "kv_connector": "KVRingConnector",
-        "kv_connector_module_path": "kvring.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",  # a chunk that cannot be loaded is recomputed
-        "kv_connector_extra_config": {
-            "etcd": ",".join(etcd_endpoints(name, namespace, spec)),
-            "cluster": cluster_key(name, namespace),
-            "chunk_size": spec.chunk_size,
-        },
-    }
+    return transfer_config(",".join(etcd_endpoints(name, namespace, spec)), cluster_key(name, namespace),
+                           chunk_size=spec.chunk_size)
 
 
 def connector_json(name: str, namespace: str, spec: ClusterSpec) -> str:

@@ -2,7 +2,7 @@
 
 Thin by design: the render functions (``render``) say what the children look like, ``scaling``
 decides replicas and drains, ``status`` turns observations into the status object, ``kube``
-creates or patches children, and etcd is reached only through ``kvring.cachenode.membership``.
+creates or patches children, and etcd is reached only through ``kvring.membership``.
 
 - ``reconcile`` (create, resume, spec update): parse the spec (an invalid one gets the
   ``ConfigMismatch`` condition and a warning event and is left there: no retry loop, the cluster
@@ -29,7 +29,9 @@ from typing import Any
 import aiohttp
 import kopf
 
-from kvring.cachenode.membership import Etcd, EtcdSettings, MembershipError
+from kvring.common.errors import MembershipError
+from kvring.membership.etcd import Etcd
+from kvring.membership.settings import EtcdSettings
 
 from . import render, scaling
 from . import status as st

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvring.common.types import NodeState
 from .status import Member, ScaleInView, ordinal
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class DrainProgress:
 
 def drain_progress(pending: ScaleIn, members: Mapping[str, Member], now: float, timeout: float) -> DrainProgress:
     """Whether the leaving nodes are drained (or gone), or the drain timeout has passed."""
-    waiting = tuple(n for n in pending.leaving if n in members and members[n].state != "drained")
+    waiting = tuple(n for n in pending.leaving if n in members and members[n].state != NodeState.DRAINED)
     if not waiting:
         return DrainProgress(done=True, timed_out=False, waiting=())
     timed_out = now - pending.started >= timeout

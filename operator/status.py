@@ -27,8 +27,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvring.common.types import NodeState
+
 CONDITION_TYPES = ("Ready", "Degraded", "Rebalancing", "ConfigMismatch")
-MOVING_STATES = frozenset({"joining", "draining", "drained"})
+MOVING_STATES = frozenset({NodeState.JOINING, NodeState.DRAINING, NodeState.DRAINED})
 
 
 def now_iso(at: datetime.datetime | None = None) -> str:
@@ -149,7 +151,7 @@ def node_summaries(obs: Observation) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {
             "id": node_id,
             "state": member.state if member else ("unknown" if obs.members is None else "missing"),
-            "ready": bool(member and member.state == "active"),
+            "ready": bool(member and member.state == NodeState.ACTIVE),
         }
         capacity = stats.get("capacity", member.capacity if member else None)
         if isinstance(capacity, int) and capacity > 0:
@@ -179,8 +181,8 @@ def observed_conditions(obs: Observation, nodes: list[dict[str, Any]],
                         previous: Mapping[str, Any] | None) -> list[Condition]:
     _, _, ready_pods = _sts_numbers(obs.statefulset)
     expected = [n for n in nodes if (o := ordinal(obs.name, n["id"])) is not None and o < obs.desired]
-    active = [n for n in expected if n["state"] == "active"]
-    lacking = [n for n in expected if n["state"] != "active"]
+    active = [n for n in expected if n["state"] == NodeState.ACTIVE]
+    lacking = [n for n in expected if n["state"] != NodeState.ACTIVE]
     not_active = ", ".join("{} ({})".format(n["id"], n["state"]) for n in lacking)
     unready = f"{len(active)} of {obs.desired} nodes active in etcd" + (
         f"; not active: {not_active}" if lacking else "")

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from kvring.local import LocalCluster, LocalEtcd
+from kvring.local.cluster import LocalCluster, LocalEtcd
 
 _names = itertools.count()
 

@@ -1,14 +1,16 @@
 """The benchmarks against the real thing: `kvring bench data-plane --quick` and `kvring bench miss
---quick` (a real cluster, real vLLM engines) run, verify and write their outputs; `bench e2e`'s
-table and plot carry every load mode.
+--quick` (real clusters, real peers, real vLLM engines) run, verify and write their outputs;
+`bench e2e`'s table and plot carry every load mode.
 
 Timings are not asserted (benchmarks measure, tests check behaviour); the data-plane bench
-compares every byte it read with what it wrote and stops on a mismatch.
+compares every byte it read with what it wrote and stops on a mismatch (tested by corrupting a
+read), and leaves out a peer that cannot run here with the reason (tested by hiding Mooncake).
 """
 
 from __future__ import annotations
 
 import glob
+import io
 import json
 import shutil
 import subprocess
@@ -16,31 +18,125 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import psutil
+import pytest
 from rich.console import Console
 
-from kvring.bench_dataplane import run_data_plane_bench
-from kvring.cachenode.hashing import DEFAULT_CHUNK_SIZE
-from kvring.bench_e2e import MODES, _plot, _table
+from kvring.bench.dataplane import CASES, BenchError, ChunkSpec, DataPlaneSettings, PlainTcp, run_data_plane_bench
+from kvring.common.hashing import DEFAULT_CHUNK_SIZE
+from kvring.bench.e2e import MODES, _plot, _table
 
 
-def test_quick_bench_measures_every_case_and_writes_json_and_png(cluster_factory, tmp_path):
-    cluster = cluster_factory(nodes=3, memory=512 << 20)
+def _leftovers() -> tuple[set[int], set[str]]:
+    """This process's children and the benchmarks' temporary directories."""
+    tmp = Path(tempfile.gettempdir())
+    dirs = {str(p) for pattern in ("kvring-redis-*", "kvring-mooncake-*", "kvring-etcd-*") for p in tmp.glob(pattern)}
+    return {p.pid for p in psutil.Process().children(recursive=True)}, dirs
+
+
+def test_data_plane_quick_measures_every_system_and_case_and_reports_a_missing_peer(monkeypatch, tmp_path):
+    """Local 1- and 3-node clusters and every peer; Mooncake made unimportable, as where it is not
+    installed: the run goes on without it and says why."""
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    procs_before, dirs_before = _leftovers()
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    r = run_data_plane_bench(etcd=cluster.etcd, cluster=cluster.cluster, iterations=2, json_out=out, plot=plot,
-                             quick=True)
-    cases = {(row["case"], row["size"]) for row in r["throughput"]}
-    for size in ("large", "small"):
-        for case in ("PUT", "GET whole", "GET 1 layer", "GET stream"):
-            assert (case, size) in cases
+    console = Console(record=True, width=240)
+    r = run_data_plane_bench(DataPlaneSettings.quick_run(), out, plot, console=console)
+
+    expected = {"kvring-1", "kvring-3", "tcp", "zmq"} | ({"redis"} if shutil.which("redis-server") else set())
+    assert set(r["systems"]) == expected
+    assert "cannot import mooncake.store" in r["skipped"]["mooncake"]
+    assert "pip install mooncake-transfer-engine-non-cuda" in r["skipped"]["mooncake"]
+    text = console.export_text()
+    assert text.count("mooncake: left out") == 1 and "kvring 3 nodes / TCP" in text
+
+    sizes = [c["size"] for c in r["config"]["chunks"]]
+    assert sizes == ["4MiB", "384KiB", "32KiB"]  # 32-token chunks of the three models
+    assert [(row["size"], row["case"]) for row in r["throughput"]] == [
+        (size, case) for size in sizes for case in CASES]
+    reps = r["config"]["repetitions"]
     for row in r["throughput"]:
-        assert row["kvring_gbps"] > 0 and row["zmq_gbps"] > 0
-        if shutil.which("redis-server"):
-            assert row["redis_gbps"] > 0
-    assert {row["keys"] for row in r["lookup"]} == {32, 128}
-    assert all(0 < row["kvring"]["p50"] <= row["kvring"]["p99"] for row in r["lookup"])
-    assert json.loads(out.read_text())["throughput"] == r["throughput"]
+        assert set(row["results"]) == expected and set(row["vs_tcp"]) == {"kvring-1", "kvring-3"}
+        for res in row["results"].values():
+            assert 0 < res["min"] <= res["gbps"] <= res["max"] and len(res["runs"]) == reps
+            assert res["checked"] == reps + 1  # every call's result passed its check, warm-up included
+    assert [row["keys"] for row in r["lookup"]] == [32, 128]
+    for row in r["lookup"]:
+        assert set(row["results"]) == expected
+        assert all(0 < res["p50"] <= res["p99"] for res in row["results"].values())
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    procs_after, dirs_after = _leftovers()
+    assert procs_after <= procs_before and dirs_after <= dirs_before  # every server stopped, nothing left
+
+
+def test_data_plane_tcp_baseline_returns_exactly_the_bytes_put():
+    spec = ChunkSpec("test", "test", (4, 2, 8, 1, 16))  # 4 layers of 512 bytes
+    payloads = [np.random.default_rng(i).integers(0, 256, spec.nbytes, dtype=np.uint8) for i in range(3)]
+    keys = [b"a", b"bb", b"ccc"]
+    tcp = PlainTcp()
+    try:
+        tcp.attach(spec, payloads)
+        assert tcp.put(keys, payloads, spec)
+        whole = tcp.get(keys, spec, None)
+        assert [bytes(g) for g in whole] == [p.tobytes() for p in payloads]
+        tcp.scrub()  # the reused receive buffer is overwritten: what was read before is gone
+        assert bytes(whole[0]) == bytes(spec.nbytes)
+        layer = tcp.get([keys[2], b"missing"], spec, (1, 2))
+        assert bytes(layer[0]) == payloads[2][512:1024].tobytes() and layer[1] is None
+        stream = tcp.stream(keys, spec)
+        assert [[bytes(v) for v in by_key] for by_key in stream] == [
+            [p[i * 512:(i + 1) * 512].tobytes() for p in payloads] for i in range(4)]
+        assert tcp.exists([b"a", b"missing", b"ccc"]) == [True, False, True]
+        tcp.clear([b"a"])
+        assert tcp.exists(keys) == [False, True, True]
+    finally:
+        tcp.close()
+    assert tcp.proc.poll() is not None
+
+
+def test_data_plane_stops_on_wrong_bytes(cluster_factory, monkeypatch, tmp_path):
+    cluster = cluster_factory(nodes=1, memory=64 << 20)
+    real_get = PlainTcp.get
+
+    def flip_a_byte(self, keys, spec, layers):
+        got = real_get(self, keys, spec, layers)
+        bad = bytearray(got[0])
+        bad[-1] ^= 0xFF
+        return [bytes(bad), *got[1:]]
+
+    monkeypatch.setattr(PlainTcp, "get", flip_a_byte)
+    settings = DataPlaneSettings.quick_run(etcd=cluster.etcd, cluster=cluster.cluster, peers=("tcp",))
+    with pytest.raises(BenchError, match="plain TCP GET whole 4MiB: wrong or missing data"):
+        run_data_plane_bench(settings, tmp_path / "bench.json", console=Console(file=io.StringIO()))
+    assert not (tmp_path / "bench.json").exists()  # no figures for wrong data
+
+
+def test_data_plane_includes_mooncake_where_it_is_installed(cluster_factory, tmp_path):
+    pytest.importorskip("mooncake.store", reason="Mooncake is optional: pip install mooncake-transfer-engine-non-cuda")
+    cluster = cluster_factory(nodes=1, memory=64 << 20)
+    settings = DataPlaneSettings.quick_run(etcd=cluster.etcd, cluster=cluster.cluster, peers=("tcp", "mooncake"),
+                                           lookup_samples=5)
+    r = run_data_plane_bench(settings, console=Console(file=io.StringIO()))
+    assert r["skipped"] == {} and set(r["systems"]) == {"kvring-1", "tcp", "mooncake"}
+    for row in r["throughput"]:
+        assert row["results"]["mooncake"]["checked"] == settings.repetitions + 1
+    assert all(row["results"]["mooncake"]["p50"] > 0 for row in r["lookup"])
+    assert not list(Path(tempfile.gettempdir()).glob("kvring-mooncake-*"))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"nodes": (0, 3)}, "distinct node counts of at least 1"),
+    ({"nodes": (3, 3)}, "distinct node counts of at least 1"),
+    ({"peers": ("tcp", "memcached")}, "unknown peers ['memcached']"),
+    ({"batch": 0}, "batch must be at least 1"),
+    ({"lookup_keys": ()}, "lookup_keys"),
+])
+def test_data_plane_settings_name_what_to_fix(bad, message):
+    with pytest.raises(ValueError) as exc:
+        DataPlaneSettings(**bad)
+    assert message in str(exc.value)
 
 
 def _bench_miss_leftovers() -> tuple[set[str], list[int]]:
@@ -106,7 +202,7 @@ def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
 def test_slow_node_bench_reads_each_prompts_decision_from_the_counters_around_it():
     """The slow-node bench's bookkeeping on a run's output as vllm_run writes it (no engine here:
     the bench itself runs one; this checks which counters and results belong to which prompt)."""
-    from kvring.bench_slow_node import SlowNodeSettings, _results
+    from kvring.bench.slow_node import SlowNodeSettings, _results
 
     s = SlowNodeSettings(prompts_per_phase=(1, 3, 1))
     n = 5

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvring.trace import IdealLRU, prefix_hits, request_keys, run_trace
+from kvring.bench.trace import IdealLRU, prefix_hits, request_keys, run_trace
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "conversation_trace.jsonl"
 

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import kvring
-from kvring.cachenode.errors import KVRingError, MembershipError, NodeUnavailable, NoOwners
+from kvring.common.errors import KVRingError, MembershipError, NodeUnavailable, NoOwners
 
 from .cluster import ClusterHandle, NoContract
 from .metrics import AdminMetrics

@@ -10,6 +10,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvring.common.types import NodeState
 from .models import NodeView
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -52,7 +53,7 @@ class AdminMetrics:
         for gauge in (self.nodes, self.node_used, self.node_capacity, self.node_chunks, self.node_hits,
                       self.node_misses, self.node_reachable):
             gauge.clear()  # nodes that left must not linger
-        for state in ("joining", "active", "draining", "drained", "unreachable", *states):
+        for state in (*NodeState, "unreachable", *states):
             self.nodes.labels(state).set(states.get(state, 0))
         self.capacity.set(sum(v.capacity for v in views))
         self.used.set(sum(v.used or 0 for v in views))

@@ -6,10 +6,10 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvring.cachenode.errors import MembershipError
-from kvring.cachenode.hashing import chained_hashes
-from kvring.cachenode.membership import LEFT_RING_STATES
-from kvring.cachenode.node import MAX_KEY_BYTES
+from kvring.common.errors import MembershipError, NoOwners
+from kvring.common.hashing import chained_hashes
+from kvring.common.types import LEFT_RING_STATES
+from kvring.common.protocol import MAX_KEY_BYTES
 from kvring.connector.keys import KeyScope, KVLayout, MMSpan, request_keys
 
 from .auth import require_token
@@ -100,12 +100,11 @@ async def owners(key_hex: str, cluster: ClusterHandle = Depends(cluster_of)) -> 
     if not 0 < len(key) <= MAX_KEY_BYTES:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             f"a key has 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-    client = await cluster.client()
-
-    def run():
-        return client.owners(key), client.locate([key])[0], client.ring.epoch
-    owner_ids, held, epoch = await cluster.blocking(run)
-    return OwnersView(key=key.hex(), owners=owner_ids, held_by=held, ring_epoch=epoch)
+    snap = await cluster.snapshot()
+    if not snap.ring.nodes:
+        raise NoOwners(f"no active node in cluster {cluster.settings.etcd.cluster!r}")
+    held = (await cluster.holders(snap, [key]))[0]
+    return OwnersView(key=key.hex(), owners=snap.ring.owners(key), held_by=held, ring_epoch=snap.epoch)
 
 
 @router.post("/v1/lookup", response_model=LookupView, tags=["keys"], responses={422: {}})
@@ -113,11 +112,11 @@ async def lookup(body: LookupIn, cluster: ClusterHandle = Depends(cluster_of),
                  settings: AdminSettings = Depends(settings_of)) -> LookupView:
     """How many leading tokens of a prompt are cached, and where each chunk is.
 
-    Keys are computed exactly as the connector computes them (``kvring.connector.keys``), and
-    the prefix comes from the same ``ClusterClient.lookup_prefix`` its scheduler calls, so a
-    router sees what a vLLM instance would load.  Nothing is leased.  The connector may load a
-    few tokens less than ``matched_tokens``: it always recomputes the prompt's last token and
-    loads whole vLLM blocks."""
+    Keys are computed exactly as the connector computes them (``kvring.connector.keys``), owners
+    come from the same ring, and a chunk counts towards the prefix when one of its owners holds
+    it (where the connector's lookup looks), so a router sees what a vLLM instance would load.
+    Nothing is leased.  The connector may load a few tokens less than ``matched_tokens``: it
+    always recomputes the prompt's last token and loads whole vLLM blocks."""
     n = len(body.token_ids)
     if n > settings.max_lookup_tokens:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
@@ -127,8 +126,8 @@ async def lookup(body: LookupIn, cluster: ClusterHandle = Depends(cluster_of),
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                                 f"mm span [{span.offset}, {span.offset + span.length}) ends past the prompt's "
                                 f"{n} tokens")
-    client = await cluster.client()
-    chunk_size = client.contract.chunk_size
+    snap = await cluster.snapshot()
+    chunk_size = snap.contract.chunk_size
     if body.layout is not None:
         layout = KVLayout(**body.layout.model_dump())
         if layout.chunk_size != chunk_size:
@@ -142,10 +141,16 @@ async def lookup(body: LookupIn, cluster: ClusterHandle = Depends(cluster_of),
         namespace = body.namespace
         keys = chained_hashes(namespace, body.token_ids, chunk_size)
 
-    def run():
-        matched = client.lookup_prefix(keys) if keys else 0
-        return matched, client.locate(keys), client.ring.owners_many(keys), client.ring.epoch
-    matched, held, owner_lists, epoch = await cluster.blocking(run)
+    if keys and not snap.ring.nodes:
+        raise NoOwners(f"no active node in cluster {cluster.settings.etcd.cluster!r}")
+    held = await cluster.holders(snap, keys)
+    owner_lists = snap.ring.owners_many(keys) if keys else []
+    matched = 0
+    for owners, holders in zip(owner_lists, held):
+        if not set(owners) & set(holders):
+            break
+        matched += 1
+    epoch = snap.epoch
     return LookupView(
         namespace=namespace, chunk_size=chunk_size, prompt_tokens=n, chunks_total=len(keys),
         matched_chunks=matched, matched_tokens=matched * chunk_size, ring_epoch=epoch,
@@ -194,8 +199,7 @@ async def flush(namespace: str, cluster: ClusterHandle = Depends(cluster_of)):
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             "refusing to flush an empty namespace: it would mean every chunk stored without one; "
                             "give the namespace, e.g. DELETE /v1/namespaces/kvring/v1/<hex>")
-    client = await cluster.client()
-    per_node = await cluster.blocking(client.flush_namespace_nodes, namespace)
+    per_node = await cluster.flush(await cluster.snapshot(), namespace)
     done = {n: r for n, r in per_node.items() if isinstance(r, int)}
     failed = {n: r for n, r in per_node.items() if isinstance(r, str)}
     view = FlushView(namespace=namespace, deleted=sum(done.values()), nodes=done, failed=failed)

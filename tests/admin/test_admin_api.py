@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from kvring.cachenode.store import ENTRY_OVERHEAD
 from kvring.admin import AdminSettings, create_app
-from kvring.cachenode import ClusterClient
-from kvring.cachenode.membership import EtcdSettings
+from kvring.cachenode.client import ClusterClient
+from kvring.membership.settings import EtcdSettings
 from kvring.connector.keys import KeyScope, KVLayout, request_keys
-from kvring.local import LocalCluster, free_port
+from kvring.local.cluster import LocalCluster, free_port
+from kvring.common.chunk import ChunkItem
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -59,7 +61,7 @@ def client(cluster):
 
 def _put(client, keys, namespace: str = "") -> np.ndarray:
     data = np.arange(2 * 2 * 256 * 2 * 8, dtype=np.uint8)  # one layer-major chunk of LAYOUT, as bytes
-    assert all(client.put_many([(k, data, [2, 256, 2, 16], "uint8", 256) for k in keys], namespace=namespace))
+    assert all(client.put_many([ChunkItem.of(k, data, [2, 256, 2, 16], "uint8", 256, namespace) for k in keys]))
     return data
 
 
@@ -104,7 +106,7 @@ def test_nodes_capacity_usage_and_hit_counters(api, client):
         assert n["capacity"] == MEMORY and n["data_addr"].startswith("tcp://")
         assert n["admin_addr"].startswith("http://") and n["drain"]["state"] == "active"
     grew = lambda field: sum(n[field] - before[n["node_id"]][field] for n in nodes)  # noqa: E731
-    assert grew("chunks") == 30 and grew("used") == 30 * data.nbytes
+    assert grew("chunks") == 30 and grew("used") == 30 * (data.nbytes + ENTRY_OVERHEAD)  # bookkeeping is charged
     assert grew("hits") == 30 and grew("misses") == 5
 
     one = api.get("/v1/nodes/node-1").json()

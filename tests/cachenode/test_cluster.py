@@ -9,9 +9,12 @@ import numpy as np
 import psutil
 import pytest
 
-from kvring.cachenode import ClusterClient, Contract, ContractMismatch
-from kvring.cachenode.chunk import DTYPE_SIZES
-from kvring.local import LocalCluster, NodeProcess
+from kvring.cachenode.client import ClusterClient
+from kvring.common.contract import Contract
+from kvring.common.errors import ContractMismatch
+from kvring.common.chunk import DTYPE_SIZES
+from kvring.local.cluster import LocalCluster, NodeProcess
+from kvring.common.chunk import ChunkItem
 
 MiB = 1 << 20
 
@@ -32,7 +35,7 @@ def test_1000_random_chunks_read_back_byte_identical(cluster_factory):
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(3)
         for i in range(0, 1000, 100):
-            stored = client.put_many([(k, d, s, t, 16) for k, d, s, t in chunks[i:i + 100]])
+            stored = client.put_many([ChunkItem.of(k, d, s, t, 16) for k, d, s, t in chunks[i:i + 100]])
             assert stored == [1] * 100
         keys = [c[0] for c in chunks]
         assert client.lookup(keys) == [True] * 1000
@@ -96,7 +99,7 @@ def test_replica_serves_reads_when_a_node_is_killed(cluster_factory):
     data = {os.urandom(16): rng.integers(0, 256, size=4096, dtype=np.uint8) for _ in range(200)}
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=1.0) as client:
         assert client.wait_for_nodes(3)
-        assert client.put_many([(k, v, [4, 1024], "uint8", 8) for k, v in data.items()]) == [2] * 200
+        assert client.put_many([ChunkItem.of(k, v, [4, 1024], "uint8", 8) for k, v in data.items()]) == [2] * 200
         cluster.nodes[0].kill()  # the ring still lists it until its lease runs out
         keys = list(data)
         assert client.lookup(keys) == [True] * 200
@@ -109,7 +112,7 @@ def _fill_then_add_a_node(cluster, client, seed: int) -> tuple[dict[bytes, np.nd
     rng = np.random.default_rng(seed)
     data = {os.urandom(16): rng.integers(0, 256, size=1024, dtype=np.uint8) for _ in range(300)}
     assert client.wait_for_nodes(2)
-    client.put_many([(k, v, [2, 512], "uint8", 4) for k, v in data.items()])
+    client.put_many([ChunkItem.of(k, v, [2, 512], "uint8", 4) for k, v in data.items()])
     cluster.add_node()
     assert client.wait_for_nodes(3)
     moved = [k for k in data if client.ring.owners(k) == ["node-2"]]
@@ -155,7 +158,7 @@ def test_etcd_outage_keeps_data_plane_up_and_nodes_reregister():
             assert not client.etcd_ok and len(client.ring) == 3  # the last ring is kept
             rng = np.random.default_rng(5)
             data = {os.urandom(16): rng.integers(0, 256, size=2048, dtype=np.uint8) for _ in range(100)}
-            assert client.put_many([(k, v, [2, 1024], "uint8", 4) for k, v in data.items()]) == [1] * 100
+            assert client.put_many([ChunkItem.of(k, v, [2, 1024], "uint8", 4) for k, v in data.items()]) == [1] * 100
             got = client.get(list(data))
             assert all(np.array_equal(g.data, data[k]) for k, g in zip(data, got))
             cluster.local_etcd.start()

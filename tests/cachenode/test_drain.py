@@ -13,7 +13,8 @@ import urllib.request
 
 import numpy as np
 
-from kvring.cachenode import ClusterClient
+from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkItem
 
 
 
@@ -55,7 +56,7 @@ def _chunks(n: int, seed: int, namespaces=("", "ns-a")):
 
 
 def _put(client: ClusterClient, chunks) -> None:
-    stored = client.put_many([(k, d, [4, 64], "uint8", 16, ns) for k, d, ns in chunks])
+    stored = client.put_many([ChunkItem.of(k, d, [4, 64], "uint8", 16, ns) for k, d, ns in chunks])
     assert all(s >= 1 for s in stored)
 
 
@@ -176,7 +177,7 @@ def test_drain_with_nowhere_to_go_keeps_every_chunk(cluster_factory):
 
 def test_only_loopback_may_drain_through_the_admin_port():
     """POST /drain has no token; only the pod itself (its preStop hook) may use it."""
-    from kvring.cachenode.node import _is_loopback
+    from kvring.cachenode.http import _is_loopback
 
     for host, expected in [("127.0.0.1", True), ("127.5.0.1", True), ("::1", True), ("10.0.0.7", False),
                            ("192.168.1.2", False), ("fe80::1%eth0", False), ("not-an-ip", False)]:
@@ -185,7 +186,7 @@ def test_only_loopback_may_drain_through_the_admin_port():
 
 def test_a_drain_requested_before_start_holds(etcd_server):
     """A pod restarted mid-drain comes back draining, not active (its request is still in etcd)."""
-    from kvring.local import LocalCluster
+    from kvring.local.cluster import LocalCluster
 
     cluster = LocalCluster(nodes=2, memory=16 << 20, etcd=etcd_server.endpoint, cluster="drain-before-start")
     cluster.etcd_run(lambda e: e.request_drain("node-1"))
@@ -204,7 +205,7 @@ def test_waiting_gives_up_early_when_there_is_nowhere_to_go():
     its chunks (a whole cluster shutting down drains every pod at once); other reasons wait on."""
     import pytest
 
-    from kvring.drain import DrainFailed, _follow
+    from kvring.cli.drain import DrainFailed, _follow
 
     nowhere = {"state": "draining", "reason": "no_owners", "remaining": 3, "waiting": "no active node is left"}
     start = time.monotonic()

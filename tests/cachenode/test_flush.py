@@ -9,10 +9,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvring.cachenode import ClusterClient, RemoteError
-from kvring.cachenode import protocol as P
-from kvring.cachenode.chunk import ChunkMeta, make_meta
-from kvring.cachenode.store import ChunkStore
+from kvring.cachenode.client import ClusterClient
+from kvring.common.errors import RemoteError
+from kvring.cachenode.client.transport import next_rid
+from kvring.common import protocol as P
+from kvring.common.chunk import ChunkMeta, make_meta
+from kvring.cachenode.store import ENTRY_OVERHEAD, ChunkStore
+from kvring.common.chunk import ChunkItem
 
 
 def _chunk(n: int, namespace: str = ""):
@@ -21,7 +24,8 @@ def _chunk(n: int, namespace: str = ""):
 
 
 def test_store_index_follows_put_delete_eviction_and_flush():
-    store = ChunkStore(capacity_bytes=1000)
+    C = 100 + ENTRY_OVERHEAD  # what a 100-byte chunk costs the budget
+    store = ChunkStore(capacity_bytes=10 * C)
     for i in range(3):
         store.put(b"a%d" % i, *_chunk(100, "A"))
         store.put(b"b%d" % i, *_chunk(100, "B"))
@@ -30,12 +34,12 @@ def test_store_index_follows_put_delete_eviction_and_flush():
     store.delete(b"a0")
     assert store.namespaces() == {"A": 2, "B": 3}
     # Eviction (LRU: b0 and a1 are the oldest left) keeps the index true.
-    store.put(b"big", *_chunk(600, "C"))
+    store.put(b"big", *_chunk(6 * C - ENTRY_OVERHEAD, "C"))
     assert b"b0" not in store and b"a1" not in store
     assert store.namespaces() == {"A": 1, "B": 2, "C": 1}
     assert store.delete_namespace("B") == 2
     assert store.namespaces() == {"A": 1, "C": 1}
-    assert b"none" in store and b"a2" in store and store.used == 800
+    assert b"none" in store and b"a2" in store and store.used == 8 * C
     assert store.delete_namespace("B") == 0 and store.delete_namespace("nope") == 0
     with pytest.raises(ValueError, match="empty namespace"):
         store.delete_namespace("")
@@ -64,10 +68,10 @@ def test_flush_across_the_cluster_leaves_other_namespaces_alone(cluster_factory)
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(3)
         for ns, ks in keys.items():
-            assert client.put_many([(k, data, [2, 32], "uint8", 8) for k in ks], namespace=ns) == [1] * 60
+            assert client.put_many([ChunkItem.of(k, data, [2, 32], "uint8", 8, ns) for k in ks]) == [1] * 60
         # Per-item namespaces (the handoff path) land in the same index.
         extra = [os.urandom(16) for _ in range(5)]
-        client.put_many([(k, data, [2, 32], "uint8", 8, "tenant-a") for k in extra])
+        client.put_many([ChunkItem.of(k, data, [2, 32], "uint8", 8, "tenant-a") for k in extra])
         keys["tenant-a"] += extra
         assert sum(s["namespaces"] for s in client.stats().values()) >= 4  # both tenants, on several nodes
 
@@ -84,18 +88,18 @@ def test_flush_across_the_cluster_leaves_other_namespaces_alone(cluster_factory)
         # A node refuses an empty namespace on the wire too, instead of reading it as "everything".
         node_id = cluster.nodes[0].node_id
         with pytest.raises(RemoteError, match="bad_namespace"):
-            client._call(client._simple(node_id, P.Flush(rid=next(client._rids), namespace="")), timeout=5)
+            client.request(node_id, P.Flush(rid=next_rid(), namespace=""))
         assert all(client.lookup(keys[""]))
 
 
 def test_replicas_are_all_flushed(cluster_factory):
-    from kvring.cachenode import Contract
+    from kvring.common.contract import Contract
 
     cluster = cluster_factory(nodes=3, contract=Contract(replication=2))
     data = np.arange(64, dtype=np.uint8)
     ks = [os.urandom(16) for _ in range(30)]
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(3)
-        assert client.put_many([(k, data, [2, 32], "uint8", 8) for k in ks], namespace="t") == [2] * 30
+        assert client.put_many([ChunkItem.of(k, data, [2, 32], "uint8", 8, "t") for k in ks]) == [2] * 30
         assert client.flush_namespace("t") == 60  # copies, across the nodes that held them
         assert sum(s["chunks"] for s in client.stats().values()) == 0

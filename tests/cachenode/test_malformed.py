@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import os
-import time
 
 import msgspec
 import numpy as np
-import zmq
+import pytest
 
-from kvring.cachenode import ClusterClient, protocol as P
-from kvring.cachenode.chunk import ChunkMeta, make_meta
+from kvring.cachenode.client import ClusterClient
+from kvring.common import protocol as P
+from kvring.cachenode.framing import ConnectionClosed, pack
+from kvring.common.chunk import ChunkItem, ChunkMeta, make_meta
+
+from raw_protocol import RawConnection
 
 MiB = 1 << 20
 
 
 def _malformed(rng: np.random.Generator, valid_key: bytes) -> tuple[str, list[bytes]]:
-    """One malformed request of a random kind: (expected error code, frames)."""
+    """One malformed request of a random kind: (expected error code, [header, payloads...])."""
     good = np.arange(64, dtype=np.uint8).tobytes()
     meta = make_meta(good, [2, 32], "uint8", 4)
     kind = int(rng.integers(0, 14))
@@ -61,36 +64,34 @@ def test_10000_malformed_messages_leave_the_node_serving(cluster_factory):
     stored = {os.urandom(16): rng.integers(0, 256, size=4096, dtype=np.uint8) for _ in range(50)}
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(1)
-        client.put_many([(k, v, [4, 1024], "uint8", 8) for k, v in stored.items()])
+        client.put_many([ChunkItem.of(k, v, [4, 1024], "uint8", 8) for k, v in stored.items()])
         valid_key = next(iter(stored))
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(node.data_addr)
         expected: dict[str, int] = {}
         sent = 0
-        while sent < 10_000:
-            batch = [_malformed(rng, valid_key) for _ in range(200)]
-            for code, frames in batch:
-                sock.send_multipart(frames)
-                expected[code] = expected.get(code, 0) + 1
-            for code, _ in batch:
-                reply = P.decode_reply(sock.recv_multipart()[0])
-                assert isinstance(reply, P.Error) and reply.code == code, (code, reply)
-            sent += len(batch)
-            # Valid clients are served correctly in between.
-            key = list(stored)[sent // 200 % len(stored)]
-            got = client.get([key])[0]
-            assert got is not None and np.array_equal(got.data, stored[key])
-        # A frame above the node's ZMQ_MAXMSGSIZE: libzmq drops that connection, nothing is allocated.
-        rogue = ctx.socket(zmq.DEALER)
-        rogue.setsockopt(zmq.LINGER, 0)
-        rogue.connect(node.data_addr)
-        rogue.send_multipart([P.encode(P.Ping(rid=1)), bytes(8 * MiB)])
-        time.sleep(0.5)
-        rogue.close()
-        sock.close()
+        with RawConnection(node.data_addr) as conn:
+            while sent < 10_000:
+                batch = [_malformed(rng, valid_key) for _ in range(200)]
+                for code, (header, *payloads) in batch:  # pipelined: 200 requests, then 200 replies
+                    conn.send(header, payloads)
+                    expected[code] = expected.get(code, 0) + 1
+                for code, _ in batch:
+                    reply = conn.reply()
+                    assert isinstance(reply, P.Error) and reply.code == code, (code, reply)
+                sent += len(batch)
+                # Valid clients are served correctly in between.
+                key = list(stored)[sent // 200 % len(stored)]
+                got = client.get([key])[0]
+                assert got is not None and np.array_equal(got.data, stored[key])
+        # A payload above the node's maximum chunk size: refused from the frame prefix alone
+        # (before any allocation), answered, and the connection closed.
+        with RawConnection(node.data_addr) as rogue:
+            rogue.send_raw(pack(P.encode(P.Ping(rid=1)), [bytes(16)])[0][:14] + (8 << 20).to_bytes(8, "little")
+                           + P.encode(P.Ping(rid=1)))
+            reply = rogue.reply()
+            assert isinstance(reply, P.Error) and reply.code == "too_large"
+            with pytest.raises(ConnectionClosed):
+                rogue.receive()
+        expected["too_large"] += 1
 
         stats = client.stats()["node-0"]
         for code, n in expected.items():

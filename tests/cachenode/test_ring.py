@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvring.cachenode.client import ClusterClient
-from kvring.cachenode.hashing import chained_hashes, namespace_hash
-from kvring.cachenode.ring import DEFAULT_VNODES, HashRing
+from kvring.common.hashing import chained_hashes, namespace_hash
+from kvring.common.ring import DEFAULT_VNODES, HashRing
 
 GiB = 1 << 30
 

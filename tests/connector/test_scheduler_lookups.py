@@ -16,11 +16,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvring.cachenode import ClusterClient
+from kvring.cachenode.client import ClusterClient
 from kvring.connector.admission import LoadCostModel
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.keys import KVLayout, request_keys
 from kvring.connector.scheduler import SchedulerSide
+from kvring.common.chunk import ChunkItem
 
 CHUNK = 256
 LAYOUT = KVLayout(model="tiny", config_fingerprint="f", kv_dtype="bfloat16", num_layers=2, num_kv_heads=2,
@@ -35,7 +36,7 @@ def _request(req_id: str, tokens: list[int]) -> SimpleNamespace:
 
 def _store(client: ClusterClient, keys: list[bytes]) -> None:
     data = np.zeros(2 * CHUNK * 2 * 32 * 2, dtype=np.uint8)  # bfloat16: 2 bytes each
-    assert all(client.put_many([(k, data, [2, CHUNK, 2, 32], "bfloat16", CHUNK) for k in keys]))
+    assert all(client.put_many([ChunkItem.of(k, data, [2, CHUNK, 2, 32], "bfloat16", CHUNK) for k in keys]))
 
 
 def _poll(sched: SchedulerSide, request, timeout: float = 5.0) -> tuple[int, float, float]:

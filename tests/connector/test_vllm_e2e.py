@@ -1,6 +1,6 @@
 """KVRingConnector with the real vLLM engine (CPU build), real etcd and real nodes.
 
-Each vLLM instance runs in a process of its own (``kvring.vllm_run``), as separate pods would.
+Each vLLM instance runs in a process of its own (``kvring.engine.run``), as separate pods would.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvring.cachenode import ClusterClient
-from kvring.local import LocalCluster
+from kvring.cachenode.client import ClusterClient
+from kvring.local.cluster import LocalCluster
 
 CHUNK = 256
 
 
 def _run(tmp: Path, name: str, spec: dict) -> dict:
     (tmp / f"{name}.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.vllm_run", str(tmp / f"{name}.json"),
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp / f"{name}.json"),
                            str(tmp / f"{name}.out")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads((tmp / f"{name}.out").read_text())
@@ -30,7 +30,7 @@ def _run(tmp: Path, name: str, spec: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from kvring.vllm_run import write_tiny_llama
+    from kvring.engine.run import write_tiny_llama
     return str(write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
 
 

@@ -10,10 +10,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvring.cachenode import ClusterClient
+from kvring.cachenode.client import ClusterClient
 from kvring.connector.keys import request_keys
-from kvring.local import LocalCluster
-from kvring.vllm_run import layout_of, run_instance, write_tiny_llama
+from kvring.local.cluster import LocalCluster
+from kvring.engine.run import layout_of, run_instance, write_tiny_llama
 
 CHUNK = 256
 DEADLINE_MS = 500.0

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvring.local import LocalCluster
+from kvring.local.cluster import LocalCluster
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_a_hybrid_model_is_refused_at_start_and_hma_stays_on(etcd_server, hybrid
                 "connector": {"etcd": cluster.etcd, "cluster": cluster.cluster},
                 "prompts": [{"tokens": list(range(10, 600))}]}
         (tmp_path / "spec.json").write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-P", "-m", "kvring.vllm_run", str(tmp_path / "spec.json"),
+        proc = subprocess.run([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp_path / "spec.json"),
                                str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, "the engine served a hybrid model through the connector"

@@ -1,4 +1,4 @@
-"""``kvring.vllm_run``'s request inputs beyond token ids: LoRA adapters and prompt embeddings.
+"""``kvring.engine.run``'s request inputs beyond token ids: LoRA adapters and prompt embeddings.
 
 Without a connector: the point is that the inputs reach the real CPU engine and change what it
 computes, so that connector tests built on them (an adapter's KV must never be served to the
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvring.vllm_run import random_prompt_embeds, run_instance, write_random_lora, write_tiny_llama
+from kvring.engine.run import random_prompt_embeds, run_instance, write_random_lora, write_tiny_llama
 
 
 @pytest.fixture(scope="module")

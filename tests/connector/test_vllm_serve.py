@@ -1,6 +1,6 @@
 """KVRingConnector behind vLLM's OpenAI-compatible server, configured exactly as ``kvring up`` says.
 
-Two ``vllm serve`` processes (``kvring.vllm_serve``) on a random tiny Llama, a real 3-node cluster
+Two ``vllm serve`` processes (``kvring.engine.serve``) on a random tiny Llama, a real 3-node cluster
 on the session's etcd: server A computes prompts given as token ids over ``/v1/completions``;
 server B loads them from the cluster and answers the same tokens as A and as its own recompute
 under another ``cache_salt``, which loads nothing.  B's ``/metrics`` shows the loads in vLLM's
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvring.cachenode import ClusterClient
-from kvring.connector.config import transfer_config
-from kvring.vllm_serve import VLLMServer
+from kvring.cachenode.client import ClusterClient
+from kvring.common.contract import transfer_config
+from kvring.engine.serve import VLLMServer
 
 CHUNK = 256  # the cluster's default chunk size
 BLOCK = 128  # the CPU backend's block size for this model
@@ -35,7 +35,7 @@ KVRING_LOOKUPS = "vllm:kvring_lookups_total"
 
 @pytest.fixture(scope="module")
 def model():
-    from kvring.vllm_run import write_tiny_llama
+    from kvring.engine.run import write_tiny_llama
 
     root = tempfile.mkdtemp(prefix="kvring-serve-model-")
     try:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvring.cachenode import ClusterClient, ContractMismatch
+from kvring.cachenode.client import ClusterClient
+from kvring.common.errors import ContractMismatch
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.connector import connect
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec

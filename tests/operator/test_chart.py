@@ -20,7 +20,7 @@ import typer
 import yaml
 from crd_schema import CRD_PATH, ROOT, schema_errors
 
-from kvring.cli import app
+from kvring.cli.main import app
 from kvring.operator.render import render_children
 from kvring.operator.spec import ClusterSpec, check_name
 

@@ -31,11 +31,16 @@ from crd_schema import load_crd, schema_errors
 from kmock_shim import EmulatorThread, KubeAPI, wait_for
 from kopf.testing import KopfRunner
 
-from kvring.cachenode import ClusterClient, Contract
-from kvring.cachenode.membership import Etcd, EtcdSettings, NodeRecord, Registrar
-from kvring.local import NodeProcess
+from kvring.cachenode.client import ClusterClient
+from kvring.common.contract import Contract
+from kvring.common.records import NodeRecord
+from kvring.membership.etcd import Etcd
+from kvring.membership.registrar import Registrar
+from kvring.membership.settings import EtcdSettings
+from kvring.local.cluster import NodeProcess
 from kvring.operator.config import OperatorConfig
 from kvring.operator.handlers import register
+from kvring.common.chunk import ChunkItem
 
 NS = "team-a"
 CC = "kvring.io/v1alpha1"
@@ -243,7 +248,7 @@ def test_status_reports_pods_nodes_epoch_and_conditions(kube, etcd_server):
             # Bytes stored show up per node (from each node's admin /stats).
             with ClusterClient(etcd_server.endpoint, cluster=cluster) as client:
                 assert client.wait_for_nodes(2)
-                assert client.put_many([(bytes([i]) * 16, np.full(MiB, i, np.uint8), [1, MiB], "uint8", 16)
+                assert client.put_many([ChunkItem.of(bytes([i]) * 16, np.full(MiB, i, np.uint8), [1, MiB], "uint8", 16)
                                         for i in range(8)]) == [1] * 8
             wait_for(lambda: sum(n.get("usedBytes", 0) for n in api.get(cc_path("stat"))["status"]["nodes"]) == 8 * MiB,
                      what="usedBytes")
@@ -278,7 +283,7 @@ def test_scale_in_drains_the_leaving_nodes_before_the_statefulset_shrinks(kube, 
             n.wait_ready()
         with ClusterClient(etcd_server.endpoint, cluster=cluster) as client:
             assert client.wait_for_nodes(4)
-            assert client.put_many([(k, np.full(64 << 10, i, np.uint8), [1, 64 << 10], "uint8", 16)
+            assert client.put_many([ChunkItem.of(k, np.full(64 << 10, i, np.uint8), [1, 64 << 10], "uint8", 16)
                                     for i, k in enumerate(keys)]) == [1] * 64
             on_leaving = sum(1 for k in keys if client.owners(k)[0] in ("shrink-2", "shrink-3"))
         assert on_leaving > 0

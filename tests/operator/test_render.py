@@ -15,7 +15,7 @@ import pytest
 import typer
 from crd_schema import load_examples
 
-from kvring.cli import app
+from kvring.cli.main import app
 from kvring.connector.config import ConnectorConfig
 from kvring.operator.render import (
     CONFIG_HASH_ANNOTATION,

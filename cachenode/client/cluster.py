@@ -1,0 +1,237 @@
+"""``ClusterClient``: the public Python API of the data plane, a thin facade.
+
+Which thread runs what:
+- every data call (``lookup``, ``get``, ``iter_layers``, ``put_many``, ``delete``, ``locate``,
+  ``flush_namespace``, ``stats``, ``ping``, ``list_keys``) runs entirely on the caller's thread:
+  it checks out connections to the nodes it needs, sends, and reads the replies itself, with no
+  hand-off to another thread.  Any number of threads may call at once (vLLM's worker is not
+  asyncio);
+- ``lookup_async`` runs a lookup on one of the client's ``lookup_threads`` and returns a future;
+- one membership thread (``ringview.Membership``) follows etcd and publishes the ring.
+
+The parts: ``transport`` (connections and exchanges), ``ringview`` (members, ring, previous
+ring, failure marks), ``reads`` (lookup, locate, GET with failover and checksums), ``writes``
+(PUT to every owner, delete, flush, one-node calls).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator, Sequence
+
+from kvring.common import protocol as P
+from kvring.common.chunk import ChunkItem
+from kvring.common.contract import Contract
+from kvring.common.errors import KVRingError, NodeUnavailable
+from kvring.common.records import NodeRecord
+from kvring.common.ring import HashRing
+from kvring.membership.settings import EtcdSettings
+
+from .reads import Chunk, LayerBatch, Reads
+from .ringview import FailureMarks, Membership
+from .transport import Links, next_rid
+from .writes import Writes
+
+
+class ClusterClient:
+    """Client of one kvring cluster.
+
+    ``etcd`` is ``"host:port[,host:port]"`` or ``EtcdSettings``.  ``contract`` is checked
+    against the cluster's record (``ContractMismatch`` names the difference); with ``None``
+    the client adopts the recorded one.  ``timeout`` bounds how long a node may stay silent
+    while a request waits on it; a node that times out is skipped for ``failure_backoff``
+    seconds.  ``verify`` checks every layer's checksum on read.
+    """
+
+    def __init__(
+        self,
+        etcd: str | EtcdSettings,
+        *,
+        cluster: str = "default",
+        contract: Contract | None = None,
+        timeout: float = 5.0,
+        poll_interval: float = 0.5,
+        failure_backoff: float = 5.0,
+        handoff_window: float = 120.0,
+        verify: bool = True,
+        lookup_threads: int = 4,
+    ) -> None:
+        self.settings = etcd if isinstance(etcd, EtcdSettings) else EtcdSettings.parse(etcd, cluster=cluster)
+        self.timeout = timeout
+        self.marks = FailureMarks(failure_backoff)
+        self.links = Links(connect_timeout=timeout)
+        self._closed = False
+        self.membership = Membership(self.settings, contract, poll_interval, handoff_window, self._members_changed)
+        self._lookups = concurrent.futures.ThreadPoolExecutor(lookup_threads, thread_name_prefix="kvring-lookup")
+        try:
+            self.membership.start(timeout=self.settings.timeout * 4 + 2)
+        except BaseException:
+            self.close()
+            raise
+        cluster_name = self.settings.cluster
+        self.reads = Reads(self.links, self.membership, self.marks, timeout, verify, cluster_name)
+        self.writes = Writes(self.links, self.membership, self.marks, timeout, cluster_name)
+
+    def _members_changed(self, members: dict[str, NodeRecord]) -> None:
+        old = self.membership.view.members
+        self.links.update({n: r.data_addr for n, r in members.items()})
+        for node_id, rec in members.items():
+            if old.get(node_id) != rec:
+                self.marks.forgive(node_id)  # a (re-)registered node gets a fresh chance
+
+    # ---- the cluster as this client sees it ---------------------------------------------------
+
+    @property
+    def contract(self) -> Contract:
+        return self.membership.contract
+
+    @property
+    def ring(self) -> HashRing:
+        return self.membership.view.ring
+
+    @property
+    def members(self) -> dict[str, NodeRecord]:
+        return self.membership.view.members
+
+    @property
+    def etcd_ok(self) -> bool:
+        return self.membership.etcd_ok
+
+    @property
+    def corrupt_dropped(self) -> int:
+        """Copies that failed their checksum on read and were deleted."""
+        return self.reads.corrupt_dropped
+
+    def owners(self, key: bytes) -> list[str]:
+        return self.ring.owners(key)
+
+    def wait_for_nodes(self, count: int, timeout: float = 10.0, exact: bool = False) -> bool:
+        """Block until the ring has ``count`` nodes (at least, or exactly)."""
+        return self.membership.wait_for_nodes(count, timeout, exact)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self.membership.close()
+        self.links.close()
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[bool]:
+        """Presence of each key (one batched request per owner node, in parallel).
+
+        ``lease_ms`` asks the nodes to keep the present chunks from eviction that long."""
+        return self.reads.lookup(list(keys), lease_ms) if keys else []
+
+    def lookup_async(self, keys: Sequence[bytes], lease_ms: int = 0) -> concurrent.futures.Future:
+        """``lookup`` without waiting: a future of the presence list, run on a lookup thread.
+
+        The future fails with ``KVRingError`` if the lookup cannot be routed; cancelling it
+        before it runs drops it."""
+        return self._lookups.submit(self.lookup, list(keys), lease_ms)
+
+    def lookup_prefix(self, keys: Sequence[bytes], lease_ms: int = 0) -> int:
+        """How many leading keys of a chain are all present."""
+        n = 0
+        for hit in self.lookup(keys, lease_ms):
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Which nodes hold each key (every owner asked, without leasing); for inspection."""
+        return self.reads.locate(list(keys)) if keys else []
+
+    def get(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
+            node: str | None = None) -> list[Chunk | None]:
+        """Read chunks (whole, or layers ``[start, end)``); ``None`` where a key is missing.
+
+        ``node`` reads from that node only, whoever owns the keys (handoff, inspection)."""
+        return self.reads.get(list(keys), layers, node)
+
+    def iter_layers(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
+                    found: list | None = None) -> Iterator[LayerBatch]:
+        """Stream layers as they arrive: one ``LayerBatch`` per node and layer.
+
+        ``found`` (a list as long as ``keys``), if given, receives each key's ``ChunkMeta`` as
+        its head arrives, and is ``None`` at the end for every key that could not be read
+        whole (missing everywhere, node lost with no replica left, checksum mismatch).
+        Layers of different nodes interleave; within a node they arrive in order.  After a
+        failover a key's layers may be delivered again from another replica (same bytes), so
+        consumers must treat deliveries as idempotent writes.  The views stay valid after the
+        next batch arrives (each is a buffer of its own)."""
+        yield from self.reads.stream(list(keys), layers, found, stream=True)
+
+    # ---- writes ---------------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[ChunkItem]) -> list[int]:
+        """Store many chunks on their owners, in parallel; returns the replicas stored per item."""
+        if not items:
+            return []
+        if not all(isinstance(item, ChunkItem) for item in items):
+            raise TypeError("put_many takes ChunkItem records: ChunkItem.of(key, payload, shape, dtype, tokens)")
+        return self.writes.put_many(items)
+
+    def put(self, key: bytes, payload, shape: Sequence[int], dtype: str, tokens: int, namespace: str = "") -> int:
+        """Store one layer-major chunk on its owners; returns how many replicas stored it."""
+        return self.put_many([ChunkItem.of(key, payload, shape, dtype, tokens, namespace)])[0]
+
+    def delete(self, keys: Sequence[bytes], node: str | None = None) -> int:
+        """Delete keys from all their owners (or from ``node`` only); returns copies removed."""
+        return self.writes.delete(list(keys), node) if keys else 0
+
+    def flush_namespace(self, namespace: str) -> int:
+        """Delete every chunk of ``namespace`` on every member; returns how many were deleted.
+
+        Raises ``KVRingError`` naming the nodes that did not confirm (their chunks of the
+        namespace may remain; flushing again is safe).  ``""`` (chunks without a namespace) is
+        refused: it never means "everything"."""
+        per_node = self.flush_namespace_nodes(namespace)
+        failed = {n: r for n, r in per_node.items() if isinstance(r, str)}
+        deleted = sum(r for r in per_node.values() if isinstance(r, int))
+        if failed:
+            detail = "; ".join(f"{n}: {why}" for n, why in sorted(failed.items()))
+            raise KVRingError(f"flushed {deleted} chunks of {namespace!r}, but {len(failed)} node(s) did not "
+                              f"confirm ({detail}); run the flush again when they are back")
+        return deleted
+
+    def flush_namespace_nodes(self, namespace: str) -> dict[str, int | str]:
+        """``flush_namespace`` node by node: chunks deleted, or why that node failed."""
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError("a namespace to flush must be a non-empty string; chunks put without one "
+                             "cannot be flushed (that would mean the whole cluster)")
+        replies = self.writes.each_member(lambda: P.Flush(rid=next_rid(), namespace=namespace))
+        return {n: r.deleted if isinstance(r, P.FlushReply) else str(r) for n, r in replies.items()}
+
+    # ---- one node -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict]:
+        """STATS of every member (``{"error": ...}`` for nodes that do not answer)."""
+        replies = self.writes.each_member(lambda: P.Stats(rid=next_rid()))
+        return {n: r.stats if isinstance(r, P.StatsReply) else {"error": str(r)} for n, r in replies.items()}
+
+    def ping(self, node_id: str) -> float:
+        """Round-trip time to one node in seconds."""
+        t0 = time.perf_counter()
+        self.writes.call(node_id, P.Ping(rid=next_rid()))
+        return time.perf_counter() - t0
+
+    def list_keys(self, node: str, after: bytes = b"", limit: int = 10_000) -> list[bytes]:
+        """Keys stored on ``node``, in byte order, starting after ``after`` (paged)."""
+        return self.writes.call(node, P.ListKeys(rid=next_rid(), after=after, limit=limit)).keys
+
+    def request(self, node: str, msg):
+        """Send one protocol request to one node and return its reply (tests, tools)."""
+        return self.writes.call(node, msg)
+
+

@@ -1,0 +1,339 @@
+"""Reads: LOOKUP, locate, and the GET of whole chunks or streamed layers, with failover.
+
+Threading contract: every function runs on its caller's thread (one ``Exchange`` per round of
+requests) and may be called from many threads at once; shared state is only the ``Links``, the
+``Membership`` view (read once per call) and the ``FailureMarks``.
+
+Routing: each key goes to its first live owner on the ring (``replication`` distinct nodes,
+primary first), one request per node, all nodes in parallel.  A node that fails is marked and
+its keys are retried on their next owner.  After a ring change, a key missed on its new owner
+is looked for on its owner in the previous ring.  GET verifies the XXH3 checksum of every layer
+it receives; a mismatch is a miss of that key (it is never returned) and the corrupt copy is
+deleted, so the next save can store a good one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from kvring.common import protocol as P
+from kvring.common.chunk import ChunkMeta
+from kvring.common.errors import ErrorCode, KVRingError, NodeUnavailable, NoOwners, RemoteError
+from kvring.common.ring import HashRing
+
+from .ringview import FailureMarks, Membership
+from .transport import Exchange, Failure, Links, Reply, next_rid
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A chunk (or a layer range of it) read back from the cluster."""
+
+    key: bytes
+    meta: ChunkMeta
+    layer_start: int
+    layer_end: int
+    data: np.ndarray  # uint8, the layers [layer_start, layer_end) contiguous
+
+    def layer(self, i: int) -> memoryview:
+        lb = self.meta.layer_bytes
+        off = (i - self.layer_start) * lb
+        return memoryview(self.data)[off:off + lb]
+
+
+@dataclass(slots=True)
+class LayerBatch:
+    """One layer of several keys, as streamed by ``ClusterClient.iter_layers``."""
+
+    layer: int
+    indices: list[int]  # positions in the caller's key list
+    views: list[memoryview]  # that layer's bytes of each key, zero-copy from the socket
+    span: bool = False  # (``get`` only) each view holds layers [layer, end) of its key
+
+
+@dataclass(slots=True)
+class KeyRead:
+    """Where one key of a GET stands: its metadata once a head names it, the layers still
+    expected, the nodes already tried, and whether it is complete."""
+
+    key: bytes
+    positions: list[int]  # where the caller listed it (a key listed twice is read once)
+    meta: ChunkMeta | None = None
+    want: int = 0
+    done: bool = False
+    missing: bool = False  # an owner answered "not stored"
+    tried: set[str] = field(default_factory=set)
+
+
+class Reads:
+    def __init__(self, links: Links, membership: Membership, marks: FailureMarks, timeout: float,
+                 verify: bool, cluster: str) -> None:
+        self.links = links
+        self.membership = membership
+        self.marks = marks
+        self.timeout = timeout
+        self.verify = verify
+        self.cluster = cluster
+        self.corrupt_dropped = 0  # copies that failed their checksum and were deleted
+
+    @property
+    def replication(self) -> int:
+        return self.membership.contract.replication
+
+    def route(self, ring: HashRing, keys: Sequence[bytes], skip: Sequence[set[str]] = ()) -> dict[str, list[int]]:
+        """Group key positions by their first live owner not in ``skip[position]``."""
+        if not ring.nodes:
+            raise NoOwners(f"no active node in cluster {self.cluster!r}; is `kvring up` running?")
+        groups: dict[str, list[int]] = defaultdict(list)
+        alive = {n: self.marks.alive(n) and n in self.links for n in ring.nodes}
+        for i, owners in enumerate(ring.owners_many(keys)):
+            tried = skip[i] if skip else ()
+            live = [n for n in owners if alive[n] and n not in tried]
+            if not live and not tried:  # every owner is marked failed: try them anyway
+                live = [n for n in owners if n in self.links]
+            if live:
+                groups[live[0]].append(i)
+        return groups
+
+    def _failed(self, failure: Failure) -> None:
+        if isinstance(failure.error, NodeUnavailable):
+            self.marks.mark(failure.node_id, str(failure.error))
+
+    # ---- LOOKUP -----------------------------------------------------------------------------
+
+    def lookup(self, keys: list[bytes], lease_ms: int) -> list[bool]:
+        view = self.membership.view
+        present = [False] * len(keys)
+        skip = [set() for _ in keys]
+        todo = list(range(len(keys)))
+        for _ in range(self.replication):  # retry on the next owner after a failure
+            todo = self._lookup_on(view.ring, keys, todo, lease_ms, present, skip)
+            if not todo:
+                break
+        prev = view.previous()
+        if prev is not None:
+            missed = [i for i, hit in enumerate(present)
+                      if not hit and set(prev.owners(keys[i])) - set(view.ring.owners(keys[i]))]
+            if missed:
+                for i in missed:
+                    skip[i] = set(view.ring.owners(keys[i]))
+                self._lookup_on(prev, keys, missed, lease_ms, present, skip)
+        return present
+
+    def _lookup_on(self, ring: HashRing, keys, todo: list[int], lease_ms: int, present: list[bool],
+                   skip: list[set[str]]) -> list[int]:
+        groups = self.route(ring, [keys[i] for i in todo], [skip[i] for i in todo])
+        asked: dict[int, list[int]] = {}
+        failed: list[int] = []
+        with Exchange(self.links, self.timeout) as ex:
+            for node_id, local in groups.items():
+                idx = [todo[j] for j in local]
+                msg = P.Lookup(rid=next_rid(), epoch=ring.epoch, keys=[keys[i] for i in idx], lease_ms=lease_ms)
+                asked[ex.request(node_id, msg)] = idx
+            for event in ex.events():
+                if isinstance(event, Failure):
+                    self._failed(event)
+                    logger.debug("lookup on %s failed: %s", event.node_id, event.error)
+                    for rid in event.rids:
+                        for i in asked.pop(rid, ()):
+                            skip[i].add(event.node_id)
+                            failed.append(i)
+                    continue
+                idx = asked.pop(event.rid, ())
+                for i, hit in zip(idx, event.msg.present):
+                    present[i] = present[i] or hit
+        return failed
+
+    def locate(self, keys: list[bytes]) -> list[list[str]]:
+        """Which nodes hold each key: every owner on the current ring (and, right after a ring
+        change, the previous owners too), asked without leasing anything."""
+        view = self.membership.view
+        prev = view.previous()
+        candidates = view.ring.owners_many(keys)
+        if prev is not None:
+            candidates = [cur + [n for n in old if n not in cur] for cur, old in zip(candidates, prev.owners_many(keys))]
+        ask: dict[str, list[int]] = defaultdict(list)
+        for i, owners in enumerate(candidates):
+            for node_id in owners:
+                if node_id in self.links:
+                    ask[node_id].append(i)
+        found: list[set[str]] = [set() for _ in keys]
+        asked: dict[int, tuple[str, list[int]]] = {}
+        with Exchange(self.links, self.timeout) as ex:
+            for node_id, idx in ask.items():
+                msg = P.Lookup(rid=next_rid(), epoch=view.ring.epoch, keys=[keys[i] for i in idx])
+                asked[ex.request(node_id, msg)] = (node_id, idx)
+            for event in ex.events():
+                if isinstance(event, Reply):
+                    node_id, idx = asked[event.rid]
+                    for i, hit in zip(idx, event.msg.present):
+                        if hit:
+                            found[i].add(node_id)
+                else:
+                    logger.debug("locate on %s failed: %s", event.node_id, event.error)
+        return [[n for n in owners if n in got] for owners, got in zip(candidates, found)]
+
+    # ---- GET ----------------------------------------------------------------------------------
+
+    def stream(self, keys: list[bytes], layers: tuple[int, int] | None, found: list | None, stream: bool,
+               pin: str | None = None) -> Iterator[LayerBatch]:
+        """Layers of ``keys`` as they arrive (see ``ClusterClient.iter_layers``)."""
+        start, end = layers if layers is not None else (0, -1)
+        if start < 0 or (end != -1 and end <= start):
+            raise ValueError(f"layer range {layers} is empty or negative")
+        found = found if found is not None else [None] * len(keys)
+        reads: dict[bytes, KeyRead] = {}
+        for i, key in enumerate(keys):
+            read = reads.get(key)
+            if read is None:
+                reads[key] = KeyRead(key, [i])
+            else:
+                read.positions.append(i)
+        todo = list(reads.values())
+        view = self.membership.view
+        ring, used_prev = view.ring, False
+        for _ in range(self.replication + 2):
+            if not todo:
+                break
+            if pin is not None:
+                groups = {pin: list(range(len(todo)))}
+            else:
+                groups = self.route(ring, [r.key for r in todo], [r.tried for r in todo])
+            batches = {node_id: [todo[j] for j in local] for node_id, local in groups.items()}
+            yield from self._round(batches, ring.epoch, start, end, stream, found)
+            todo = [r for r in reads.values() if not r.done and not r.missing] if pin is None else []
+            prev = view.previous() if pin is None else None
+            if not todo and not used_prev and prev is not None:
+                moved = [r for r in reads.values() if r.missing and not r.done
+                         and set(prev.owners(r.key)) - set(view.ring.owners(r.key))]
+                if moved:
+                    ring, used_prev, todo = prev, True, moved
+                    for r in moved:
+                        r.missing, r.tried = False, set(view.ring.owners(r.key))
+        for r in reads.values():
+            if not r.done:
+                for i in r.positions:
+                    found[i] = None
+
+    def _round(self, batches: dict[str, list[KeyRead]], epoch: int, start: int, end: int, stream: bool,
+               found: list) -> Iterator[LayerBatch]:
+        """One GET per node for its batch; yields the layers that pass their checksums."""
+        asked: dict[int, tuple[str, list[KeyRead]]] = {}
+        with Exchange(self.links, self.timeout) as ex:
+            for node_id, batch in batches.items():
+                msg = P.Get(rid=next_rid(), epoch=epoch, keys=[r.key for r in batch], layer_start=start,
+                            layer_end=end, stream=stream)
+                asked[ex.request(node_id, msg, streamed=True)] = (node_id, batch)
+                for r in batch:
+                    r.tried.add(node_id)
+            for event in ex.events():
+                if isinstance(event, Failure):
+                    self._failed(event)
+                    if isinstance(event.error, RemoteError) and event.error.code == ErrorCode.BAD_RANGE:
+                        raise event.error
+                    for rid in event.rids:
+                        for r in asked.pop(rid, ("", ()))[1]:
+                            self._forget(r, found)
+                    continue
+                node_id, batch = asked[event.rid]
+                msg = event.msg
+                if isinstance(msg, P.GetHead):
+                    self._head(batch, msg, start, end, found)
+                elif isinstance(msg, P.GetLayer):
+                    good = self._check_layer(node_id, batch, msg, event.payloads, found)
+                    if good:
+                        indices, views = [], []
+                        for r, view in good:
+                            indices.extend(r.positions)
+                            views.extend([view] * len(r.positions))
+                        yield LayerBatch(msg.layer, indices, views, msg.span)
+                    if msg.last:
+                        for r in batch:
+                            r.done = r.meta is not None and r.want == 0
+                            if not r.done and r.meta is not None:
+                                self._forget(r, found)
+
+    @staticmethod
+    def _forget(r: KeyRead, found: list) -> None:
+        """A key whose read failed on this round: read again elsewhere."""
+        r.meta, r.want = None, 0
+        for i in r.positions:
+            found[i] = None
+
+    @staticmethod
+    def _head(batch: list[KeyRead], msg: P.GetHead, start: int, end: int, found: list) -> None:
+        if len(msg.metas) != len(batch):
+            for r in batch:
+                Reads._forget(r, found)
+            return
+        for r, meta in zip(batch, msg.metas):
+            r.meta = meta
+            for i in r.positions:
+                found[i] = meta
+            if meta is None:
+                r.missing = True
+            else:
+                r.want = (meta.layers if end == -1 else end) - start
+
+    def _check_layer(self, node_id: str, batch: list[KeyRead], msg: P.GetLayer, payloads: list,
+                     found: list) -> list[tuple[KeyRead, memoryview]]:
+        good = []
+        sums = iter(msg.checksums)
+        for pos, payload in zip(msg.which, payloads):
+            if not 0 <= pos < len(batch):
+                continue
+            r = batch[pos]
+            buf = memoryview(payload)
+            meta = r.meta
+            n = r.want if msg.span else 1
+            lb = meta.layer_bytes if meta is not None else 0
+            expected = [next(sums, None) for _ in range(n)]
+            if meta is None or buf.nbytes != n * lb or (self.verify and any(
+                    xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) != expected[j] for j in range(n))):
+                logger.warning("bad or corrupt layer %d of a chunk from %s", msg.layer, node_id)
+                if meta is not None and buf.nbytes == n * lb:  # bytes that fail their checksum
+                    self._drop_corrupt(node_id, r.key)
+                self._forget(r, found)
+                continue
+            good.append((r, buf))
+            r.want -= n
+        return good
+
+    def _drop_corrupt(self, node_id: str, key: bytes) -> None:
+        """Delete a copy that failed its checksum, so the next save of the key can store a good
+        one (a PUT of an existing key is a no-op)."""
+        self.corrupt_dropped += 1
+        try:
+            with Exchange(self.links, self.timeout) as ex:
+                ex.request(node_id, P.Delete(rid=next_rid(), keys=[key]))
+                for event in ex.events():
+                    if isinstance(event, Failure):
+                        logger.debug("could not delete the corrupt copy on %s: %s", node_id, event.error)
+        except KVRingError as exc:  # best effort: the copy stays a miss for every reader anyway
+            logger.debug("could not delete the corrupt copy on %s: %s", node_id, exc)
+
+    def get(self, keys: list[bytes], layers: tuple[int, int] | None, node: str | None) -> list[Chunk | None]:
+        found: list[ChunkMeta | None] = [None] * len(keys)
+        out: list[Chunk | None] = [None] * len(keys)
+        start = layers[0] if layers is not None else 0
+        for batch in self.stream(keys, layers, found, stream=False, pin=node):
+            for i, view in zip(batch.indices, batch.views):
+                meta = found[i]
+                end = meta.layers if layers is None or layers[1] == -1 else layers[1]
+                chunk = out[i]
+                if chunk is None or chunk.meta is not meta:
+                    data = np.frombuffer(view, dtype=np.uint8) if batch.span else np.empty(
+                        (end - start) * meta.layer_bytes, dtype=np.uint8)
+                    chunk = out[i] = Chunk(keys[i], meta, start, end, data)
+                if not batch.span:
+                    off = (batch.layer - start) * meta.layer_bytes
+                    chunk.data[off:off + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+        return [c if found[i] is not None else None for i, c in enumerate(out)]

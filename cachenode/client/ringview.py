@@ -1,0 +1,158 @@
+"""The client's view of the cluster: members, the ring, the previous ring, failure marks.
+
+Threading contract: ``Membership`` runs one daemon thread with an asyncio loop that reads the
+members from etcd every ``poll_interval`` seconds (the only place the client touches etcd) and
+publishes an immutable ``RingView`` snapshot; callers on any thread read ``membership.view``
+once per call and route with it, so a call never sees half of a change.  ``FailureMarks`` is
+written and read by any thread (single dict operations, atomic under the GIL).
+
+After a ring change the old ring stays in the view as ``prev_ring`` for ``handoff_window``
+seconds: a key missed on its new owner is looked for on its previous owner, so moving
+ownership does not turn into a burst of misses.  If etcd goes away the client keeps routing
+with the last view it had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvring.common.contract import Contract
+from kvring.common.errors import MembershipError
+from kvring.common.records import NodeRecord
+from kvring.common.ring import HashRing
+from kvring.membership.etcd import Etcd
+from kvring.membership.settings import EtcdSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RingView:
+    """One consistent snapshot of the cluster as this client sees it."""
+
+    ring: HashRing
+    members: dict[str, NodeRecord] = field(default_factory=dict)
+    prev_ring: HashRing | None = None
+    prev_until: float = 0.0  # monotonic time until which ``prev_ring`` is consulted
+
+    def previous(self) -> HashRing | None:
+        """The ring before the last change, while the handoff window lasts."""
+        if self.prev_ring is not None and time.monotonic() < self.prev_until:
+            return self.prev_ring
+        return None
+
+
+class FailureMarks:
+    """Nodes that timed out or could not be reached, skipped for ``backoff`` seconds."""
+
+    def __init__(self, backoff: float) -> None:
+        self.backoff = backoff
+        self._until: dict[str, float] = {}
+
+    def alive(self, node_id: str) -> bool:
+        until = self._until.get(node_id)
+        return until is None or until < time.monotonic()
+
+    def mark(self, node_id: str, why: str) -> None:
+        if self.alive(node_id):
+            logger.warning("node %s marked failed for %.0fs: %s", node_id, self.backoff, why)
+        self._until[node_id] = time.monotonic() + self.backoff
+
+    def forgive(self, node_id: str) -> None:
+        self._until.pop(node_id, None)
+
+
+class Membership:
+    """Follows a cluster's members in etcd (see the module docstring)."""
+
+    def __init__(self, settings: EtcdSettings, contract: Contract | None, poll_interval: float,
+                 handoff_window: float, on_members: Callable[[dict[str, NodeRecord]], None]) -> None:
+        self.settings = settings
+        self.contract = contract
+        self.poll_interval = poll_interval
+        self.handoff_window = handoff_window
+        self.on_members = on_members  # called (on the membership thread) before a new view is published
+        self.view = RingView(HashRing({}, epoch=0))
+        self.etcd_ok = False
+        self.changed = threading.Condition()
+        self._etcd = Etcd(settings)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvring-membership", daemon=True)
+        self._thread.start()
+        self._poller: asyncio.Future | None = None
+
+    def start(self, timeout: float) -> None:
+        """Read (or record) the contract and the members once; then follow them."""
+        fut = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+        try:
+            fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise MembershipError(f"etcd did not answer within {timeout:.1f}s") from None
+
+    async def _start(self) -> None:
+        if self.contract is None:
+            self.contract = await self._etcd.read_contract() or Contract()
+        else:
+            self.contract = await self._etcd.ensure_contract(self.contract)
+        await self._refresh()
+        self._poller = asyncio.ensure_future(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self._refresh()
+            except MembershipError as exc:
+                if self.etcd_ok:
+                    logger.warning("etcd unreachable (%s); routing with the last ring (epoch %d)",
+                                   exc, self.view.ring.epoch)
+                self.etcd_ok = False
+
+    async def _refresh(self) -> None:
+        members, revision = await self._etcd.members()
+        self.etcd_ok = True
+        old = self.view
+        if members == old.members:
+            return
+        weights = {n: r.capacity for n, r in members.items() if r.on_ring}
+        ring = HashRing(weights, vnodes=self.contract.vnodes, replication=self.contract.replication, epoch=revision)
+        prev_ring, prev_until = old.prev_ring, old.prev_until
+        if old.ring.nodes and set(old.ring.nodes) != set(ring.nodes):
+            prev_ring, prev_until = old.ring, time.monotonic() + self.handoff_window
+        self.on_members(members)
+        self.view = RingView(ring, members, prev_ring, prev_until)
+        logger.info("ring epoch %d: %d nodes", revision, len(ring))
+        with self.changed:
+            self.changed.notify_all()
+
+    def wait_for_nodes(self, count: int, timeout: float, exact: bool) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                n = len(self.view.ring)
+                if n == count or (not exact and n >= count):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(min(left, 0.1))
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            if self._poller is not None:
+                self._poller.cancel()
+            await self._etcd.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()

@@ -1,0 +1,327 @@
+"""The client's transport: TCP connections to nodes, pooled, and exchanges of requests over them.
+
+Threading contract: a ``Links`` table (every node's ``NodeLink``: address and idle
+connections) is shared by all threads; its methods take a short lock.  An ``Exchange`` belongs
+to the one thread that made it: it runs that thread's requests to completion on that thread,
+with no hand-off to another (the caller's thread does the I/O).
+
+An exchange checks out one connection per node it talks to, queues every request for that node
+on it (pipelined: each carries its ``rid``), and then ``events()`` pumps the sockets -- writing
+what is queued as each socket takes it, reading replies as they arrive, in one ``poll`` loop
+across all of them -- and yields one ``Reply`` per reply message, unary or streamed alike, and a
+``Failure`` for the requests of a connection that broke, or whose node stayed silent for the
+exchange's ``timeout`` while a request waited on it.
+When the exchange closes, connections with nothing outstanding go back to their pool; any other
+is closed, so a late reply can never be read as the answer to a later request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import select
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgspec
+
+from kvring.common import protocol as P
+from kvring.common.errors import NodeUnavailable, RemoteError, remote_error
+
+from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, pack
+
+logger = logging.getLogger(__name__)
+
+# Replies come from nodes of the same cluster; bound them anyway (a GetLayer carries one
+# payload per key of its request).
+REPLY_LIMITS = FrameLimits(max_header=256 << 20, max_payloads=P.MAX_KEYS_PER_REQUEST, max_payload=16 << 30,
+                           max_total=64 << 30)
+MAX_IDLE = 8  # idle connections kept per node
+_IOV_MAX = 1024
+_rids = itertools.count(1)
+
+
+def next_rid() -> int:
+    return next(_rids)
+
+
+@dataclass(slots=True)
+class Reply:
+    """One reply message: ``msg`` is a decoded reply (never ``Error``: that is a ``Failure``)."""
+
+    node_id: str
+    rid: int
+    msg: object
+    payloads: list
+
+
+@dataclass(slots=True)
+class Failure:
+    """Requests that ended without (all of) their reply: a node error, a broken connection or
+    the deadline."""
+
+    node_id: str
+    rids: list[int]
+    error: NodeUnavailable | RemoteError
+
+
+class Connection:
+    """A non-blocking TCP connection to one node, with its reader and send queue."""
+
+    __slots__ = ("node_id", "sock", "reader", "out", "streamed", "outstanding", "heard")
+
+    def __init__(self, node_id: str, host: str, port: int, timeout: float) -> None:
+        self.node_id = node_id
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise NodeUnavailable(f"cannot connect to node {node_id} at {host}:{port}: {exc}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setblocking(False)
+        self.reader = FrameReader(REPLY_LIMITS)
+        self.out: deque[memoryview] = deque()
+        self.outstanding: set[int] = set()  # rids without their last reply yet
+        self.streamed: set[int] = set()  # those whose reply is a stream (GET)
+        self.heard = 0.0  # monotonic time of the last bytes received (or of the first request)
+
+    def queue(self, frames: list) -> None:
+        for buf in frames:
+            view = memoryview(buf).cast("B")
+            if view.nbytes:
+                self.out.append(view)
+
+    def write(self) -> None:
+        """Write what the socket takes now (raises ``ConnectionClosed``)."""
+        out = self.out
+        while out:
+            try:
+                sent = self.sock.sendmsg(list(itertools.islice(out, _IOV_MAX)))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                raise ConnectionClosed(f"send failed: {exc}") from None
+            while sent:
+                head = out[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    out.popleft()
+                else:
+                    out[0] = head[sent:]
+                    sent = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class NodeLink:
+    """One node's address and its idle connections (shared by threads)."""
+
+    def __init__(self, node_id: str, data_addr: str, connect_timeout: float) -> None:
+        host, _, port = data_addr.removeprefix("tcp://").rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"node {node_id}: data address {data_addr!r} is not tcp://host:port")
+        self.node_id = node_id
+        self.data_addr = data_addr
+        self.host, self.port = host.strip("[]"), int(port)
+        self.connect_timeout = connect_timeout
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def acquire(self) -> Connection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return Connection(self.node_id, self.host, self.port, self.connect_timeout)
+
+    def release(self, conn: Connection) -> None:
+        with self._lock:
+            if not self.closed and len(self._idle) < MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class Links:
+    """Every member's ``NodeLink``, replaced as membership changes."""
+
+    def __init__(self, connect_timeout: float) -> None:
+        self.connect_timeout = connect_timeout
+        self._links: dict[str, NodeLink] = {}
+        self._lock = threading.Lock()
+
+    def get(self, node_id: str) -> NodeLink | None:
+        return self._links.get(node_id)
+
+    def __contains__(self, node_id: str) -> bool:
+        return node_id in self._links
+
+    def update(self, addresses: dict[str, str]) -> None:
+        """Members and their data addresses: links of nodes gone or moved are closed."""
+        with self._lock:
+            links = dict(self._links)
+            for node_id, link in list(links.items()):
+                if addresses.get(node_id) != link.data_addr:
+                    links.pop(node_id).close()
+            for node_id, addr in addresses.items():
+                if node_id not in links:
+                    try:
+                        links[node_id] = NodeLink(node_id, addr, self.connect_timeout)
+                    except ValueError as exc:
+                        logger.warning("ignoring member: %s", exc)
+            self._links = links
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = self._links, {}
+        for link in links.values():
+            link.close()
+
+
+class Exchange:
+    """Requests to any nodes, run to completion on the calling thread (see the module docstring)."""
+
+    def __init__(self, links: Links, timeout: float) -> None:
+        self.links = links
+        self.timeout = timeout  # how long a node may stay silent while a request waits on it
+        self._conns: dict[str, Connection] = {}
+        self._rid_conn: dict[int, Connection] = {}
+        self._failed: deque[Failure] = deque()
+
+    def __enter__(self) -> Exchange:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def request(self, node_id: str, msg, payloads=(), streamed: bool = False) -> int:
+        """Queue ``msg`` (and its payloads) for ``node_id``; returns its rid.  A node that cannot
+        be reached becomes a ``Failure`` event, not an exception."""
+        conn = self._conns.get(node_id)
+        if conn is None:
+            link = self.links.get(node_id)
+            try:
+                if link is None:
+                    raise NodeUnavailable(f"node {node_id} is not a member")
+                conn = self._conns[node_id] = link.acquire()
+            except NodeUnavailable as exc:
+                self._failed.append(Failure(node_id, [msg.rid], exc))
+                return msg.rid
+        conn.queue(pack(P.encode(msg), payloads))
+        if not conn.outstanding:
+            conn.heard = time.monotonic()
+        conn.outstanding.add(msg.rid)
+        if streamed:
+            conn.streamed.add(msg.rid)
+        self._rid_conn[msg.rid] = conn
+        return msg.rid
+
+    def outstanding(self) -> bool:
+        return bool(self._failed) or any(c.outstanding for c in self._conns.values())
+
+    def finish(self, rid: int) -> None:
+        """The caller needs nothing more of a streamed request (its last reply, or an abandon)."""
+        conn = self._rid_conn.pop(rid, None)
+        if conn is not None:
+            conn.outstanding.discard(rid)
+            conn.streamed.discard(rid)
+
+    def events(self) -> Iterator[Reply | Failure]:
+        """Pump the sockets until no request is outstanding; yield replies and failures."""
+        while True:
+            while self._failed:
+                yield self._failed.popleft()
+            live = [c for c in self._conns.values() if c.outstanding or c.out]
+            if not live:
+                return
+            for conn in live:  # write first: requests go out before we wait
+                try:
+                    conn.write()
+                except ConnectionClosed as exc:
+                    self._break(conn, NodeUnavailable(f"node {conn.node_id}: {exc}"))
+            progressed = False
+            now = time.monotonic()
+            for conn in live:  # read what already arrived without waiting
+                yield from self._read(conn)
+                if conn.reader.received:  # the timeout bounds silence, not the length of a reply
+                    conn.heard, progressed = now, True
+            live = [c for c in self._conns.values() if c.outstanding or c.out]
+            if not live or self._failed or progressed:
+                continue
+            silent = [c for c in live if now - c.heard >= self.timeout]
+            for conn in silent:
+                self._break(conn, NodeUnavailable(f"node {conn.node_id} did not answer within {self.timeout:.1f}s"))
+            if silent:
+                continue
+            left = min(c.heard for c in live) + self.timeout - now
+            poller = select.poll()
+            for conn in live:
+                poller.register(conn.sock.fileno(), select.POLLIN | (select.POLLOUT if conn.out else 0))
+            poller.poll(left * 1000)  # the next turn writes and reads every live connection
+
+    def _read(self, conn: Connection) -> Iterator[Reply | Failure]:
+        if self._conns.get(conn.node_id) is not conn:
+            return
+        try:
+            messages = conn.reader.read(conn.sock)
+        except (ConnectionClosed, FramingError) as exc:
+            self._break(conn, NodeUnavailable(f"node {conn.node_id}: {exc}"))
+            return
+        for message in messages:
+            try:
+                reply = P.decode_reply(message.header)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._break(conn, NodeUnavailable(f"node {conn.node_id} sent an undecodable reply: {exc}"))
+                return
+            rid = reply.rid
+            if rid not in conn.outstanding:
+                if isinstance(reply, P.Error) and rid == 0:  # the node refused the stream itself
+                    self._break(conn, remote_error(reply.code, reply.message, conn.node_id))
+                    return
+                continue  # the rest of a stream the caller finished early
+            if isinstance(reply, P.Error):
+                self.finish(rid)
+                yield Failure(conn.node_id, [rid], remote_error(reply.code, reply.message, conn.node_id))
+                continue
+            if rid not in conn.streamed or _ends_stream(reply):
+                self.finish(rid)
+            yield Reply(conn.node_id, rid, reply, message.payloads)
+
+    def _break(self, conn: Connection, error: NodeUnavailable | RemoteError) -> None:
+        rids = sorted(conn.outstanding)
+        for rid in rids:
+            self._rid_conn.pop(rid, None)
+        conn.outstanding.clear()
+        conn.out.clear()
+        conn.close()
+        if self._conns.get(conn.node_id) is conn:
+            del self._conns[conn.node_id]
+        if rids:
+            self._failed.append(Failure(conn.node_id, rids, error))
+
+    def close(self) -> None:
+        for node_id, conn in self._conns.items():
+            link = self.links.get(node_id)
+            if conn.outstanding or conn.out or link is None:
+                conn.close()
+            else:
+                link.release(conn)
+        self._conns.clear()
+        self._rid_conn.clear()
+
+
+def _ends_stream(reply) -> bool:
+    return (isinstance(reply, P.GetLayer) and reply.last) or (
+        isinstance(reply, P.GetHead) and not any(m is not None for m in reply.metas))
+

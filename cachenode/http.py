@@ -1,0 +1,189 @@
+"""A node's admin HTTP port: health, metrics, stats, drain, and the admin API's key queries.
+
+- ``GET /healthz`` (the process is up), ``GET /readyz`` (registered and on the ring: 503 while
+  draining), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``GET /drain``;
+- ``POST /drain`` and ``DELETE /drain``: start or withdraw a drain, from loopback only (the
+  pod's preStop hook; from elsewhere, drain through etcd, which the admin API guards);
+- ``POST /v1/present`` ``{"keys": [hex, ...]}`` -> ``{"present": [bool, ...]}`` (no lease) and
+  ``POST /v1/flush`` ``{"namespace": ...}`` -> ``{"deleted": n}``: what the admin API asks
+  each node, so it never needs the data protocol's client;
+- ``POST /debug/corrupt?key=HEX``: with ``--fault-injection`` only, from loopback only: flip a
+  byte of a stored chunk, so tests can show a corrupt chunk is never loaded.
+
+Threading contract: ``ThreadingHTTPServer`` answers on threads of its own; everything that
+touches the store runs on the node's I/O thread through ``Server.call``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvring.common import protocol as P
+
+if TYPE_CHECKING:
+    from .node import CacheNode
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY = 4 << 20
+
+
+def make_http_server(node: CacheNode, host: str, port: int) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((host, port), _handler_class(node))
+    server.daemon_threads = True
+    return server
+
+
+class _BadRequest(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _handler_class(node: CacheNode):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                self._reply(200, b"ok\n", "text/plain")
+            elif path == "/readyz":
+                ready = node.ready()
+                self._reply(200 if ready else 503, b"ready\n" if ready else b"not ready\n", "text/plain")
+            elif path == "/metrics":
+                self._reply(200, generate_latest(node.metrics.registry), CONTENT_TYPE_LATEST)
+            elif path == "/stats":
+                self._json(200, node.server.call(node.stats))
+            elif path == "/drain":
+                self._json(200, node.drain.status())
+            else:
+                self._reply(404, b"not found; try /healthz /readyz /metrics /stats /drain\n", "text/plain")
+
+        def do_POST(self) -> None:  # noqa: N802
+            path = self.path.split("?", 1)[0]
+            try:
+                body = self._body()
+                if path == "/v1/present":
+                    self._json(200, {"present": self._present(body)})
+                elif path == "/v1/flush":
+                    self._json(200, {"deleted": self._flush(body)})
+                elif path == "/debug/corrupt":
+                    self._json(200, self._corrupt())
+                elif self._drain_allowed(path):
+                    node.drain.request("http")
+                    self._json(202, node.drain.status())
+            except _BadRequest as exc:
+                self._json(exc.code, {"error": str(exc)})
+
+        def do_DELETE(self) -> None:  # noqa: N802
+            try:
+                self._body()
+                if self._drain_allowed(self.path.split("?", 1)[0]):
+                    node.drain.cancel("http")
+                    self._json(200, node.drain.status())
+            except _BadRequest as exc:
+                self._json(exc.code, {"error": str(exc)})
+
+        # ---- the admin API's queries ----------------------------------------------------
+
+        def _present(self, body: bytes) -> list[bool]:
+            keys = _keys_of(body)
+            return node.server.call(lambda: [k in node.store for k in keys])
+
+        def _flush(self, body: bytes) -> int:
+            try:
+                namespace = json.loads(body or b"{}").get("namespace")
+            except (ValueError, AttributeError):
+                raise _BadRequest(400, 'the body must be JSON: {"namespace": "..."}') from None
+            if not isinstance(namespace, str) or not namespace:
+                raise _BadRequest(400, "a non-empty namespace is required (chunks put without one cannot be flushed)")
+            deleted = node.server.call(lambda: node.store.delete_namespace(namespace))
+            logger.info("flushed namespace %r: %d chunks (admin port)", namespace[:300], deleted)
+            return deleted
+
+        def _corrupt(self) -> dict:
+            """Flip one byte of a stored chunk's first layer, leaving its checksums as they were."""
+            if not node.config.fault_injection or not _is_loopback(self.client_address[0]):
+                raise _BadRequest(403, "fault injection is off (kvring node --fault-injection, loopback only)")
+            query = dict(p.split("=", 1) for p in self.path.partition("?")[2].split("&") if "=" in p)
+            try:
+                key = bytes.fromhex(query.get("key", ""))
+            except ValueError:
+                key = b""
+
+            def corrupt() -> bool:
+                entry = node.store.peek(key)
+                if entry is None:
+                    return False
+                data = bytearray(memoryview(entry.buf).cast("B"))
+                data[0] ^= 0xFF
+                return node.store.replace_payload(key, data)
+            if not node.server.call(corrupt):
+                raise _BadRequest(404, "no such chunk here (give ?key=HEX of a stored chunk)")
+            return {"corrupted": key.hex()}
+
+        # ---- drain ----------------------------------------------------------------------
+
+        def _drain_allowed(self, path: str) -> bool:
+            """Checks shared by POST/DELETE /drain; replies and returns False when they fail."""
+            if path != "/drain":
+                raise _BadRequest(404, "not found; POST or DELETE /drain, POST /v1/present, POST /v1/flush")
+            if not _is_loopback(self.client_address[0]):
+                raise _BadRequest(403, "POST/DELETE /drain are accepted from loopback only (the pod's preStop "
+                                       "hook); drain this node remotely through etcd: `kvring drain --etcd ... "
+                                       f"--node {node.config.node_id}` or the admin API")
+            if node.config.etcd is None:
+                raise _BadRequest(409, "this node runs without etcd, so there is no ring to hand chunks to")
+            return True
+
+        # ---- plumbing -------------------------------------------------------------------
+
+        def _body(self) -> bytes:
+            length = self.headers.get("Content-Length", "0")
+            length = int(length) if length.isdigit() else 0
+            if length > MAX_BODY:
+                self.close_connection = True
+                raise _BadRequest(413, f"request body over {MAX_BODY} bytes")
+            return self.rfile.read(length) if length else b""
+
+        def _json(self, code: int, body: dict) -> None:
+            self._reply(code, json.dumps(body).encode(), "application/json")
+
+        def _reply(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt, *args) -> None:
+            logger.debug("http: " + fmt, *args)
+
+    return Handler
+
+
+def _keys_of(body: bytes) -> list[bytes]:
+    try:
+        raw = json.loads(body or b"{}").get("keys")
+        if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
+            raise ValueError
+        keys = [bytes.fromhex(k) for k in raw]
+    except (ValueError, AttributeError):
+        raise _BadRequest(400, 'the body must be JSON: {"keys": ["<hex>", ...]}') from None
+    if len(keys) > P.MAX_KEYS_PER_REQUEST:
+        raise _BadRequest(400, f"{len(keys)} keys; at most {P.MAX_KEYS_PER_REQUEST} per request")
+    if any(not 0 < len(k) <= P.MAX_KEY_BYTES for k in keys):
+        raise _BadRequest(400, f"keys are 1..{P.MAX_KEY_BYTES} bytes")
+    return keys
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False

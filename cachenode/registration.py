@@ -1,0 +1,130 @@
+"""A node's side of membership: its record in etcd under a lease, and its drain key.
+
+Threading contract: one daemon thread runs an asyncio loop with the ``Registrar`` (keeps the
+record alive, re-registers after etcd outages) and a watcher of the node's drain key (a point
+read every ``drain_poll`` seconds, turned into ``Drain.request``/``cancel``).  Other threads
+call ``set_state`` and ``leave``, which hand their work to that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from kvring.common.contract import Contract
+from kvring.common.errors import ContractMismatch, MembershipError
+from kvring.common.records import NodeRecord
+from kvring.common.types import NodeState
+from kvring.membership.etcd import Etcd
+from kvring.membership.registrar import Registrar
+from kvring.membership.settings import EtcdSettings
+
+from .drain import Drain
+
+logger = logging.getLogger(__name__)
+
+
+class Registration:
+    def __init__(self, settings: EtcdSettings, record: NodeRecord, contract: Contract, ttl: int,
+                 drain: Drain, drain_poll: float) -> None:
+        self.settings = settings
+        self.drain = drain
+        self.drain_poll = drain_poll
+        self.etcd = Etcd(settings)
+        self.registrar = Registrar(self.etcd, record, contract, ttl=ttl)
+        self.node_id = record.node_id
+        self.fatal: str | None = None  # a contract mismatch: the node must stop
+        self.on_fatal = lambda: None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = threading.Event()
+
+    @property
+    def registered(self) -> bool:
+        return self.registrar.registered.is_set()
+
+    def start(self) -> None:
+        """Start the thread; returns after the first registration attempt (or a mismatch)."""
+        ready = threading.Event()
+        threading.Thread(target=self._thread, args=(ready,), name="kvring-etcd", daemon=True).start()
+        ready.wait(self.settings.timeout * 3 + 1)
+        if self.fatal:
+            raise ContractMismatch(self.fatal)
+
+    def set_state(self, state: NodeState) -> None:
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if self._loop is not None and not on_loop:
+            self._loop.call_soon_threadsafe(self.registrar.set_state, state)
+        else:  # not started yet, or called from the loop (the record must change before it registers)
+            self.registrar.set_state(state)
+
+    def leave(self, drained: bool) -> None:
+        """Revoke the lease (the node leaves the ring at once); after a completed drain that etcd
+        asked for, also remove the request, so a pod coming back under this id starts active."""
+        self._stopping.set()
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return
+        if drained:
+            self._run(self.etcd.cancel_drain(self.node_id), "could not remove this node's drain request from etcd")
+        self._run(self.registrar.deregister(), "could not revoke the etcd lease; it will expire by itself")
+
+    def _run(self, coro, failure: str) -> None:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            fut.result(timeout=2)
+        except Exception:
+            logger.warning("%s", failure)
+
+    def _thread(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(self._main(ready))
+
+    async def _main(self, ready: threading.Event) -> None:
+        try:  # a drain requested before (re)start holds: register as draining, not active
+            if await self.etcd.drain_requested(self.node_id):
+                self.drain.request("etcd")
+        except MembershipError:
+            pass
+        try:
+            await self.registrar.register_once()
+            logger.info("node %s registered in etcd as %s", self.node_id, self.registrar.record.data_addr)
+        except MembershipError as exc:
+            logger.warning("etcd unreachable at start (%s); serving anyway, will register when it is back", exc)
+        except ContractMismatch as exc:
+            self.fatal = str(exc)
+            ready.set()
+            return
+        ready.set()
+        watcher = asyncio.ensure_future(self._watch_drain_key(Etcd(self.settings)))
+        try:
+            await self.registrar.run()
+        except ContractMismatch as exc:
+            self.fatal = str(exc)
+            logger.error("%s", exc)
+            self.on_fatal()
+        finally:
+            watcher.cancel()
+
+    async def _watch_drain_key(self, etcd: Etcd) -> None:
+        """Follow this node's drain key in etcd (a cheap point read every ``drain_poll`` seconds)."""
+        try:
+            while True:
+                try:
+                    requested = await etcd.drain_requested(self.node_id)
+                    if self._stopping.is_set():
+                        return  # shutting down: the state no longer changes
+                    if requested:
+                        self.drain.request("etcd")
+                    else:
+                        self.drain.cancel("etcd")
+                except MembershipError:
+                    pass  # keep the current state; the registrar logs etcd outages
+                await asyncio.sleep(self.drain_poll)
+        finally:
+            await etcd.close()

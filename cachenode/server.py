@@ -1,0 +1,268 @@
+"""The node's data-protocol server: one thread, one ``selectors`` loop, many connections.
+
+Threading contract: ``serve_forever`` runs on the node's I/O thread, and everything here (the
+connections, the handler it calls, the store behind it) is owned by that thread.  Other
+threads reach it only through ``call`` (run a function on the loop and wait for its result)
+and ``stop``; both wake the loop through a socket pair.
+
+Per connection, the loop reads with a ``FrameReader`` (bounded by ``FrameLimits`` before any
+allocation) and hands each complete message to the handler, which answers with ``send``
+(frames queued and written as the socket takes them) or ``stream`` (a generator of messages,
+produced only while the connection's send queue is below ``SEND_WATERMARK``).  So a reply of
+gigabytes costs the node a bounded queue of zero-copy views, a client that stops reading stalls
+only itself, and each turn of the loop gives every streaming connection a slice before it
+looks at the sockets again: no request holds the loop for long, however large its reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+from .framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, Message, pack
+
+logger = logging.getLogger(__name__)
+
+SEND_WATERMARK = 4 << 20  # bytes queued on a connection before its streams pause
+SLICE_SECONDS = 0.005  # a streaming connection's share of one loop turn
+MAX_CONNECTIONS = 4096
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+
+Frames = list  # the buffers of one framed message (see ``framing.pack``)
+
+
+class Connection:
+    """One client connection: its reader, its send queue and its streamed replies."""
+
+    __slots__ = ("sock", "peer", "reader", "out", "queued", "streams", "closing", "events")
+
+    def __init__(self, sock: socket.socket, peer: str, limits: FrameLimits) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.reader = FrameReader(limits)
+        self.out: deque[memoryview] = deque()
+        self.queued = 0  # bytes in ``out``
+        self.streams: deque[Iterator[Frames]] = deque()
+        self.closing = False  # close once ``out`` is written (after a framing error)
+        self.events = selectors.EVENT_READ  # what the selector watches for
+
+
+class Server:
+    def __init__(self, host: str, port: int, handler: Callable[[Connection, Message], None],
+                 limits: FrameLimits) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.listener = socket.create_server((host, port), backlog=512, reuse_port=False)
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._calls: deque[tuple[Callable, Future]] = deque()
+        self._stop = threading.Event()
+        self.conns: set[Connection] = set()
+        self._streaming: deque[Connection] = deque()
+        # Called with the connection and the error before the connection is closed (the node
+        # answers with the error's code there).
+        self.on_framing_error: Callable[[Connection, FramingError], None] = lambda conn, exc: None
+
+    # ---- other threads ---------------------------------------------------------------------
+
+    def call(self, fn: Callable, timeout: float = 5.0):
+        """Run ``fn()`` on the loop thread and return its result (from any other thread)."""
+        fut: Future = Future()
+        self._calls.append((fn, fut))
+        self._wake()
+        return fut.result(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already awake (the pipe is full) or shutting down
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stop.is_set():
+                timeout = 0 if self._runnable() else 0.5
+                for key, mask in self.sel.select(timeout):
+                    if key.fileobj is self.listener:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        self._run_calls()
+                    else:
+                        conn = key.data
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                        if mask & selectors.EVENT_READ and conn in self.conns:
+                            self._read(conn)
+                self._run_streams()
+        finally:
+            for conn in list(self.conns):
+                self._close(conn)
+            self.sel.close()
+            self.listener.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of file descriptors: the client retries
+                logger.warning("cannot accept a connection: %s", exc)
+                return
+            if len(self.conns) >= MAX_CONNECTIONS:
+                sock.close()
+                logger.warning("refused a connection: %d open already", MAX_CONNECTIONS)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Connection(sock, f"{addr[0]}:{addr[1]}", self.limits)
+            self.conns.add(conn)
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _run_calls(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while self._calls:
+            fn, fut = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # handed to the calling thread
+                    fut.set_exception(exc)
+
+    def _read(self, conn: Connection) -> None:
+        if conn.closing:
+            return
+        try:
+            messages = conn.reader.read(conn.sock)
+        except ConnectionClosed:
+            self._close(conn)
+            return
+        except FramingError as exc:
+            self.on_framing_error(conn, exc)
+            conn.closing = True
+            conn.streams.clear()
+            self._flush(conn)
+            return
+        for msg in messages:
+            self.handler(conn, msg)
+            if conn not in self.conns:
+                return
+
+    # ---- replies --------------------------------------------------------------------------
+
+    def send(self, conn: Connection, frames: Frames) -> None:
+        """Queue one framed message (header and payloads) and write what the socket takes now."""
+        _enqueue(conn, frames)
+        self._flush(conn)
+
+    def send_message(self, conn: Connection, header: bytes, payloads=()) -> None:
+        self.send(conn, pack(header, payloads))
+
+    def stream(self, conn: Connection, messages: Iterator[Frames]) -> None:
+        """Send a generator's messages as the connection takes them (see the module docstring)."""
+        conn.streams.append(messages)
+        if len(conn.streams) == 1:
+            self._streaming.append(conn)
+
+    def _runnable(self) -> bool:
+        return any(c.queued < SEND_WATERMARK for c in self._streaming)
+
+    def _run_streams(self) -> None:
+        """Give each streaming connection below its watermark one slice of production."""
+        for _ in range(len(self._streaming)):
+            conn = self._streaming.popleft()
+            if conn not in self.conns or not conn.streams:
+                continue
+            deadline = time.perf_counter() + SLICE_SECONDS
+            while conn.streams and conn.queued < SEND_WATERMARK and time.perf_counter() < deadline:
+                frames = next(conn.streams[0], None)
+                if frames is None:
+                    conn.streams.popleft()
+                    continue
+                _enqueue(conn, frames)
+            self._flush(conn)
+            if conn.streams and conn in self.conns:
+                self._streaming.append(conn)
+
+    def _flush(self, conn: Connection) -> None:
+        out = conn.out
+        while out:
+            try:
+                sent = conn.sock.sendmsg(list(_first(out, _IOV_MAX)))
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._close(conn)
+                return
+            conn.queued -= sent
+            while sent:
+                head = out[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    out.popleft()
+                else:
+                    out[0] = head[sent:]
+                    sent = 0
+        if not out and conn.closing:
+            self._close(conn)
+            return
+        # Reading pauses while the replies already queued are not taken (a client that sends
+        # requests and never reads the answers holds a bounded queue, then nothing more).
+        events = (selectors.EVENT_WRITE if out else 0) | (
+            selectors.EVENT_READ if conn.queued < SEND_WATERMARK and not conn.closing else 0)
+        if events != conn.events and conn in self.conns:
+            conn.events = events
+            self.sel.modify(conn.sock, events, conn)
+
+    def _close(self, conn: Connection) -> None:
+        if conn not in self.conns:
+            return
+        self.conns.discard(conn)
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        conn.out.clear()
+        conn.streams.clear()
+        conn.queued = 0
+
+
+def _enqueue(conn: Connection, frames: Frames) -> None:
+    for buf in frames:
+        view = memoryview(buf).cast("B")
+        if view.nbytes:
+            conn.out.append(view)
+            conn.queued += view.nbytes
+
+
+def _first(items: deque, n: int) -> Iterator:
+    for i, item in enumerate(items):
+        if i == n:
+            return
+        yield item

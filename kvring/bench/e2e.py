@@ -1,0 +1,179 @@
+"""`kvring bench e2e`: time to first token, loaded from a kvring cluster vs recomputed.
+
+One run, one local 3-node cluster, five separate vLLM instances (each its own process, as
+separate pods would be) on a random Llama big enough for prefill to matter on a CPU (by
+default 6 layers, hidden 1024, GQA 8/4 heads of 128, MLP 11008: 12 KiB of KV per token):
+
+- ``store``: computes each prompt once and saves its chunks (the first instance's cost);
+- ``layerwise``, ``bulk`` and ``async``: a second instance in each load mode gets the same
+  prompts and loads them (vLLM's own prefix caching off, so every hit comes from kvring); the
+  ``async`` instance loads between steps while the request waits (its TTFT includes that
+  wait); the layerwise instance then prefills each prompt again under a ``cache_salt`` of its
+  own (nothing can load): the recompute baseline in the very same engine, which the speed-ups
+  are against;
+- ``no connector``: an instance without kvring prefills each prompt from scratch (shown too).
+
+Every instance first runs a short warm-up prompt, so no figure includes engine start-up or
+first-call compilation.  The connector appends per-step load statistics to a file
+(``stats_path``); the bench turns them into the achieved load bandwidth and measures raw ZMQ and
+a plain TCP socket (the loopback ceiling) moving the same bytes, in the same chunk sizes, layer by
+layer, over loopback in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvring.bench.dataplane import ChunkSpec, PlainTcp, RawZmq
+from kvring.local.cluster import LocalCluster
+from kvring.bench.report import grouped_bars, write_outputs
+
+MODES = ("layerwise", "bulk", "async")
+
+
+def _prompts(sizes: Sequence[int], seed: int = 7) -> list[list[int]]:
+    """One random prompt per size; different first tokens, so no two share a chunk."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 30000, size=n).tolist() for n in sizes]
+
+
+def _warmup(instance: str) -> dict:
+    """A short first prompt; its own salt, so it neither loads nor leaves anything for others."""
+    return {"tokens": list(range(100, 356)), "salt": f"warm-up-{instance}"}
+
+
+def _baseline_seconds(system: type[RawZmq] | type[PlainTcp], chunk_bytes: int, chunks: int, layers: int,
+                      repeats: int = 5) -> float:
+    """Median seconds for a baseline (raw ZMQ, plain TCP) to stream ``chunks`` chunks of
+    ``chunk_bytes``, layer by layer."""
+    spec = ChunkSpec("e2e", "bench", (layers, chunk_bytes // layers // 2))
+    raw = system()
+    try:
+        keys = [f"e2e-{i}".encode() for i in range(chunks)]
+        payloads = [np.random.default_rng(i).integers(0, 255, size=chunk_bytes, dtype=np.uint8)
+                    for i in range(chunks)]
+        raw.attach(spec, payloads)
+        raw.put(keys, payloads, spec)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            raw.stream(keys, spec)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        raw.close()
+
+
+def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
+                  intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None) -> dict:
+    from kvring.engine.run import run_instance, write_tiny_llama
+
+    console = Console(width=None if Console().is_terminal else 200)  # the table is 12 columns wide
+    tmp = Path(tempfile.mkdtemp(prefix="kvring-bench-e2e-"))
+    prompts = _prompts(sizes)
+    max_len = max(8192, max(sizes) + 64)
+    steps = ["model", "cluster", "store", *MODES, "no connector", "baselines"]
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("writing a random Llama (no download)", total=len(steps))
+        model = str(write_tiny_llama(tmp / "model", layers=layers, hidden=hidden, heads=8, kv_heads=4,
+                                     vocab=32000, head_dim=128, intermediate=intermediate))
+        bar.advance(task)
+        bar.update(task, description="starting etcd and 3 cache nodes")
+        runs: dict[str, dict] = {}
+        stats: dict[str, list[dict]] = {}
+        with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e") as cluster:
+            bar.advance(task)
+            base = {"model": model, "max_tokens": 1, "max_model_len": max_len}
+            for name in ("store", *MODES):
+                bar.update(task, description=f"vLLM instance '{name}'")
+                stats_path = tmp / f"{name}.loads.jsonl"
+                conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "stats_path": str(stats_path),
+                        "load_mode": "layerwise" if name == "store" else name}
+                items = [_warmup(name), *({"tokens": p} for p in prompts)]
+                if name == "layerwise":
+                    items += [{"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts)]
+                runs[name] = run_instance(tmp, name, {**base, "connector": conn, "prompts": items})
+                stats[name] = [json.loads(line) for line in stats_path.read_text().splitlines()] \
+                    if stats_path.exists() else []
+                bar.advance(task)
+        bar.update(task, description="vLLM instance without a connector")
+        runs["plain"] = run_instance(tmp, "plain", {**base, "prompts": [_warmup("plain"),
+                                                                        *({"tokens": p} for p in prompts)]})
+        bar.advance(task)
+
+        rows = []
+        for i, n in enumerate(sizes):
+            recompute = runs["layerwise"]["results"][1 + len(sizes) + i]
+            row = {"tokens": n, "recompute_ttft": recompute["ttft"], "recomputed_tokens": recompute["cached"],
+                   "no_connector_ttft": runs["plain"]["results"][i + 1]["ttft"],
+                   "store_ttft": runs["store"]["results"][i + 1]["ttft"]}
+            for mode in MODES:
+                res = runs[mode]["results"][i + 1]
+                # The loads of this prompt: the mode's statistics, in prompt order (warm-up loads nothing).
+                load = stats[mode][i] if i < len(stats[mode]) else None
+                row[mode] = {"ttft": res["ttft"], "loaded_tokens": res["cached"],
+                             "identical": res["tokens"] == recompute["tokens"],
+                             "load_bytes": load and load["bytes"], "load_seconds": load and load["seconds"],
+                             "load_chunks": load and load["chunks"]}
+            rows.append(row)
+        bar.update(task, description="raw ZMQ and plain TCP, the same bytes over loopback")
+        for row in rows:
+            load = row["bulk"]
+            if load["load_bytes"]:
+                chunk_bytes = load["load_bytes"] // load["load_chunks"]
+                row["raw_zmq_seconds"] = _baseline_seconds(RawZmq, chunk_bytes, load["load_chunks"], layers)
+                row["plain_tcp_seconds"] = _baseline_seconds(PlainTcp, chunk_bytes, load["load_chunks"], layers)
+        bar.advance(task)
+    shutil.rmtree(tmp, ignore_errors=True)  # model and logs (kept if an instance fails: its error names them)
+
+    results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
+                         "kv_heads": 4, "head_dim": 128}, "rows": rows}
+    console.print(_table(results))
+    write_outputs(console, results, json_out, plot, _plot)
+    return results
+
+
+def _gbps(nbytes: int | None, seconds: float | None) -> float:
+    return nbytes / seconds / 1e9 if nbytes and seconds else math.nan
+
+
+def _table(results: dict) -> Table:
+    m = results["model"]
+    table = Table(title=f"kvring bench e2e: time to first token, {m['layers']}-layer hidden-{m['hidden']} "
+                        f"Llama (MLP {m['intermediate']}) on CPU, 3 nodes")
+    for col in ("tokens", "recompute", "no connector", "A: compute+save", *(f"B {mode}" for mode in MODES),
+                "loaded", "load GB/s lw|bulk|async", "raw ZMQ GB/s", "plain TCP GB/s", "same tokens"):
+        table.add_column(col, justify="right", overflow="fold")
+    for r in results["rows"]:
+        b = [r[mode] for mode in MODES]
+        table.add_row(
+            str(r["tokens"]), f"{r['recompute_ttft']:.2f} s", f"{r['no_connector_ttft']:.2f} s",
+            f"{r['store_ttft']:.2f} s",
+            *(f"{x['ttft']:.3f} s ({r['recompute_ttft'] / x['ttft']:.0f}x)" for x in b),
+            "|".join(str(x["loaded_tokens"]) for x in b),
+            "|".join(f"{_gbps(x['load_bytes'], x['load_seconds']):.2f}" for x in b),
+            f"{_gbps(r['bulk']['load_bytes'], r.get('raw_zmq_seconds')):.2f}",
+            f"{_gbps(r['bulk']['load_bytes'], r.get('plain_tcp_seconds')):.2f}",
+            "yes" if all(x["identical"] for x in b) else "NO")
+    return table
+
+
+def _plot(results: dict, path: Path) -> None:
+    rows = results["rows"]
+    grouped_bars(path, [f"{r['tokens']} tokens" for r in rows],
+                 {"recompute": [r["recompute_ttft"] for r in rows],
+                  **{f"kvring {mode}": [r[mode]["ttft"] for r in rows] for mode in MODES}},
+                 "time to first token (s, log)", "vLLM (CPU): loaded from kvring vs recomputed", log=True)

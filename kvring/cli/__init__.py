@@ -1,0 +1,1 @@
+"""The ``kvring`` command line: ``main`` (the commands), ``drain`` (``kvring drain``)."""

@@ -1,0 +1,427 @@
+"""The ``kvring`` command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvring.common.contract import transfer_config
+from kvring.common.units import format_size, parse_size
+
+app = typer.Typer(help="kvring: a distributed KV cache for LLM serving.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks (each prints a table; --json and --plot write files).",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+EtcdOpt = Annotated[str, typer.Option("--etcd", help="etcd endpoints, host:port[,host:port].")]
+ClusterOpt = Annotated[str, typer.Option("--cluster", help="Cluster name (a key prefix in etcd).")]
+
+
+def _size(value: str, flag: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=flag) from None
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def node(
+    node_id: Annotated[str, typer.Option("--node-id", help="Stable id; a restarted node takes its old place.")],
+    etcd: EtcdOpt,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget, e.g. 4GiB.")] = "1GiB",
+    cluster: ClusterOpt = "default",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    advertise_host: Annotated[str | None, typer.Option(help="Address others reach this node at.")] = None,
+    data_port: Annotated[int, typer.Option(help="ZMQ data port (0: any free port).")] = 0,
+    admin_port: Annotated[int, typer.Option(help="HTTP port for /healthz /readyz /metrics (0: any).")] = 0,
+    max_chunk_bytes: Annotated[str | None, typer.Option(help="Largest chunk accepted [default: 256MiB or --memory if less].")] = None,
+    policy: Annotated[str, typer.Option(help="Eviction policy: lru or fifo.")] = "lru",
+    lease_ttl: Annotated[int, typer.Option(help="etcd lease TTL in seconds.")] = 10,
+    handoff: Annotated[bool, typer.Option(help="Move chunks this node no longer owns to their owners.")] = True,
+    fault_injection: Annotated[bool, typer.Option(
+        "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte.",
+        hidden=True)] = False,
+    chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.")] = 256,
+    vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).")] = 1024,
+    replication: Annotated[int, typer.Option(help="Contract: owners per chunk.")] = 1,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run one cache node: the ZMQ data port, the HTTP admin port, and registration in etcd."""
+    from kvring.common.contract import Contract
+    from kvring.membership.settings import EtcdSettings
+    from kvring.cachenode.node import NodeConfig, run_node
+
+    _logging(verbose)
+    try:
+        config = NodeConfig(
+            node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
+            admin_port=admin_port, advertise_host=advertise_host,
+            max_chunk_bytes=(_size(max_chunk_bytes, "--max-chunk-bytes") if max_chunk_bytes
+                             else min(256 << 20, _size(memory, "--memory"))), policy=policy,
+            etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl, handoff=handoff,
+            fault_injection=fault_injection,
+            contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    raise typer.Exit(run_node(config))
+
+
+@app.command()
+def up(
+    nodes: Annotated[int, typer.Option("--nodes", help="Number of cache nodes.", min=1)] = 3,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "1GiB",
+    etcd: Annotated[str | None, typer.Option("--etcd", help="Use this etcd instead of starting one.")] = None,
+    cluster: ClusterOpt = "default",
+    replication: Annotated[int, typer.Option(help="Owners per chunk.", min=1)] = 1,
+    demo: Annotated[bool, typer.Option("--demo", help="Run a short workload, then stop.")] = False,
+    admin: Annotated[bool, typer.Option(help="Also serve the admin API on loopback.")] = True,
+    admin_port: Annotated[int, typer.Option(help="Admin API port (0: any free port).")] = 0,
+) -> None:
+    """Start a local cluster (etcd + N nodes + the admin API on loopback) until Ctrl-C/SIGTERM."""
+    import os
+    import secrets
+
+    from kvring.common.contract import Contract
+    from kvring.local.cluster import LocalCluster
+
+    contract = Contract(replication=replication)
+    # The admin token: KVRING_ADMIN_TOKEN if set, else a fresh one printed below.
+    token = os.environ.get("KVRING_ADMIN_TOKEN") or secrets.token_hex(16)
+    cluster_ = LocalCluster(nodes=nodes, memory=_size(memory, "--memory"), etcd=etcd, cluster=cluster,
+                            contract=contract, admin=admin, admin_port=admin_port, admin_token=token)
+    stop = {"now": False}
+
+    def on_signal(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster_.start()
+    except FileNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    try:
+        typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
+        for n in cluster_.nodes:
+            typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
+        transfer = json.dumps(transfer_config(cluster_.etcd, cluster))
+        typer.echo("Point vLLM at it:")
+        typer.echo(f"  vllm serve MODEL --kv-transfer-config '{transfer}'")
+        typer.echo(f"  (or KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster} with an empty kv_connector_extra_config)")
+        typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
+        if cluster_.admin is not None:
+            typer.echo(f"Admin API: {cluster_.admin.url} (docs {cluster_.admin.url}/docs); drain and flush need "
+                       f"'Authorization: Bearer {token}'")
+        if demo:
+            from kvring.bench.workload import demo_workload
+            demo_workload(cluster_.etcd, cluster, echo=typer.echo)
+            return
+        typer.echo("Press Ctrl-C to stop.")
+        exited: set[str] = set()
+        while not stop["now"]:
+            for n in cluster_.nodes:
+                if n.node_id not in exited and n.proc.poll() is not None:
+                    exited.add(n.node_id)
+                    typer.echo(f"warning: {n.node_id} exited with code {n.proc.returncode}", err=True)
+            time.sleep(0.2)
+    finally:
+        typer.echo("stopping ...")
+        cluster_.close()
+        typer.echo("stopped.")
+
+
+@app.command()
+def demo(
+    layers: Annotated[int, typer.Option(help="Layers of the random Llama written for the demo.")] = 6,
+    hidden: Annotated[int, typer.Option(help="Hidden size of that model.")] = 1024,
+    prefix_tokens: Annotated[int, typer.Option(help="Tokens of the shared prefix.")] = 3072,
+    suffix_tokens: Annotated[int, typer.Option(help="Tokens of each prompt's own part.")] = 1024,
+    prompts: Annotated[int, typer.Option(help="Prompts in the workload.", min=1)] = 3,
+    mode: Annotated[str, typer.Option(help="Connector load mode: layerwise or bulk.")] = "layerwise",
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    dtype: Annotated[str, typer.Option(help="Model dtype: float32 (exact comparisons) or bfloat16.")] = "float32",
+) -> None:
+    """Two vLLM instances share prefixes through a local cluster; B loads what A computed."""
+    from kvring.bench.demo import run_demo
+
+    if mode not in ("layerwise", "bulk"):
+        raise typer.BadParameter(f"{mode!r}: use layerwise or bulk", param_hint="--mode")
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"{dtype!r}: use float32 or bfloat16", param_hint="--dtype")
+    result = run_demo(layers, hidden, prefix_tokens, suffix_tokens, prompts, mode, plot, json_out, dtype)
+    if not all(r["identical"] for r in result["rows"]):
+        raise typer.Exit(1)
+
+
+@app.command()
+def ring(
+    etcd: EtcdOpt,
+    cluster: ClusterOpt = "default",
+    key: Annotated[list[str] | None, typer.Option("--key", help="Show the owners of this key (hex, or text).")] = None,
+) -> None:
+    """Show the ring: members, epoch, balance, and the owners of given keys."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvring.cachenode.client import ClusterClient
+
+    console = Console()
+    with ClusterClient(etcd, cluster=cluster) as client:
+        r = client.ring
+        shares = r.shares()
+        stats = client.stats()
+        total_cap = sum(r.weights.values()) or 1
+        table = Table(title=f"cluster {cluster!r}: epoch {r.epoch}, {len(r)} nodes, vnodes {r.vnodes}, "
+                            f"replication {r.replication}, balance {r.balance():.3f} (max/mean)")
+        for col in ("node", "state", "data address", "capacity", "used", "chunks", "ring share", "target"):
+            table.add_column(col, justify="right" if col not in ("node", "state", "data address") else "left")
+        for node_id, rec in sorted(client.members.items()):
+            st = stats.get(node_id, {})
+            table.add_row(node_id, rec.state, rec.data_addr, format_size(rec.capacity),
+                          format_size(st["used"]) if "used" in st else "?", str(st.get("chunks", "?")),
+                          f"{shares.get(node_id, 0):.2%}", f"{rec.capacity / total_cap:.2%}")
+        console.print(table)
+        for k in key or []:
+            try:
+                raw = bytes.fromhex(k)
+            except ValueError:
+                raw = k.encode()
+            console.print(f"key {raw.hex()}: owners {', '.join(client.owners(raw)) or '(none)'}")
+
+
+@bench_app.command("data-plane")
+def bench_data_plane(
+    etcd: Annotated[str | None, typer.Option(
+        "--etcd", help="Measure the running cluster at this etcd instead of starting local ones (--nodes is then "
+                       "ignored).")] = None,
+    cluster: ClusterOpt = "default",
+    nodes: Annotated[str, typer.Option(help="Local kvring clusters to start and compare, by node count.")] = "1,3",
+    peers: Annotated[str, typer.Option(
+        help="Systems to compare with: tcp (plain socket, the loopback ceiling), zmq, redis, mooncake; one left "
+             "out when it cannot run here, with a line saying why.")] = "tcp,zmq,redis,mooncake",
+    repetitions: Annotated[int, typer.Option(
+        help="Measured repetitions (after a warm-up), every system in each, interleaved.", min=1)] = 20,
+    batch: Annotated[int, typer.Option(help="Chunks per request.", min=1)] = 8,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    quick: Annotated[bool, typer.Option(help="Smoke test: 32-token chunks, 2 repetitions of 2 chunks, 20 lookup "
+                                             "samples (ignores --repetitions and --batch).")] = False,
+) -> None:
+    """PUT/GET throughput and existence-check latency of kvring (1 and 3 nodes) vs a plain TCP socket, raw ZMQ,
+    Redis and Mooncake Store, interleaved in one run."""
+    from kvring.bench.dataplane import BenchError, DataPlaneSettings, run_data_plane_bench
+
+    try:
+        counts = tuple(int(n) for n in nodes.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{nodes!r} is not a comma-separated list of node counts, e.g. 1,3",
+                                 param_hint="--nodes") from None
+    common = {"etcd": etcd, "cluster": cluster, "nodes": counts,
+              "peers": tuple(p.strip() for p in peers.split(",") if p.strip())}
+    try:
+        settings = DataPlaneSettings.quick_run(**common) if quick else DataPlaneSettings(
+            **common, repetitions=repetitions, batch=batch)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        run_data_plane_bench(settings, json_out, plot)
+    except BenchError as exc:
+        typer.echo(f"kvring bench data-plane stopped: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    tokens: Annotated[str, typer.Option(help="Prompt lengths, comma-separated.")] = "1024,4096,8192",
+    layers: Annotated[int, typer.Option(help="Layers of the random Llama.", min=1)] = 6,
+    hidden: Annotated[int, typer.Option(help="Hidden size of the random Llama (8 heads of 128).", min=128)] = 1024,
+    intermediate: Annotated[int, typer.Option(help="MLP width of the random Llama.", min=1)] = 11008,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "2GiB",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Time to first token with real vLLM: loaded from a 3-node cluster (layerwise, bulk, async) vs recomputed."""
+    from kvring.bench.e2e import run_bench_e2e
+
+    try:
+        sizes = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{tokens!r} is not a comma-separated list of token counts, e.g. 1024,4096",
+                                 param_hint="--tokens") from None
+    if any(n < 300 for n in sizes):
+        raise typer.BadParameter("each prompt needs at least 300 tokens (one whole chunk and more)",
+                                 param_hint="--tokens")
+    run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
+                  json_out=json_out, plot=plot)
+
+
+@bench_app.command("miss")
+def bench_miss(
+    prompts: Annotated[int, typer.Option(help="Prompts per batch (one generate call).", min=1)] = 32,
+    tokens: Annotated[int, typer.Option(help="Tokens per prompt (at least one 256-token chunk).", min=256)] = 1024,
+    repetitions: Annotated[int, typer.Option(help="Batches per engine, alternating the engines.", min=1)] = 3,
+    layers: Annotated[int, typer.Option(help="Layers of the random Llama.", min=1)] = 6,
+    hidden: Annotated[int, typer.Option(help="Hidden size of the random Llama (8 heads of 128).", min=128)] = 1024,
+    intermediate: Annotated[int, typer.Option(help="MLP width of the random Llama.", min=1)] = 11008,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "2GiB",
+    omp_bind: Annotated[str, typer.Option(help="same: both engines' threads on every CPU (compares kvring alone); "
+                                               "vllm: vLLM's auto binding, which keeps one more core back when "
+                                               "a KV connector is configured.")] = "same",
+    quick: Annotated[bool, typer.Option(help="A toy model and 2 batches of 8 x 512 tokens (smoke test); "
+                                              "ignores the size options.")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """At 0 % hits: prompt throughput of one vLLM engine with kvring vs without a connector, and the
+    share of the run its scheduler hooks took."""
+    from kvring.bench.miss import OMP_BINDS, MissSettings, run_bench_miss
+
+    if omp_bind not in OMP_BINDS:
+        raise typer.BadParameter(f"{omp_bind!r}: choose one of {', '.join(OMP_BINDS)}", param_hint="--omp-bind")
+    settings = MissSettings.quick(omp_bind) if quick else MissSettings(
+        prompts=prompts, tokens=tokens, repetitions=repetitions, layers=layers, hidden=hidden,
+        intermediate=intermediate, memory=_size(memory, "--memory"), omp_bind=omp_bind)
+    run_bench_miss(settings, json_out=json_out, plot=plot)
+
+
+@bench_app.command("slow-node")
+def bench_slow_node(
+    stop_ms: Annotated[float, typer.Option(help="The slowed node is stopped (SIGSTOP) this long ...", min=1)] = 300.0,
+    run_ms: Annotated[float, typer.Option(help="... then runs this long, over and over.", min=1)] = 30.0,
+    lookup_deadline_ms: Annotated[float | None, typer.Option(
+        help="The connector's lookup_deadline_ms [default: the connector's].", min=0)] = None,
+    quick: Annotated[bool, typer.Option(help="A toy model and fewer, shorter prompts (smoke test).")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Async loads while one node is slowed: what the connector decided per prompt (loaded, abandoned
+    at its deadline, refused by admission) and the time to first token, healthy / slowed / recovered."""
+    import dataclasses
+
+    from kvring.bench.slow_node import SlowNodeSettings, run_bench_slow_node
+
+    settings = SlowNodeSettings.quick() if quick else SlowNodeSettings()
+    run_bench_slow_node(dataclasses.replace(settings, stop_ms=stop_ms, run_ms=run_ms, lookup_deadline_ms=lookup_deadline_ms),
+                        json_out=json_out, plot=plot)
+
+
+@app.command()
+def trace(
+    file: Annotated[Path, typer.Argument(help="Trace in Mooncake FAST'25 format (JSON lines).", exists=True)],
+    nodes: Annotated[int, typer.Option(help="Cache nodes.", min=1)] = 3,
+    memory: Annotated[str, typer.Option(help="Memory per node.")] = "1GiB",
+    etcd: Annotated[str | None, typer.Option("--etcd", help="Use a running cluster (default: start one).")] = None,
+    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
+    block_bytes: Annotated[str, typer.Option(help="Bytes stored per 512-token block.")] = "64KiB",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Replay a request trace against a cluster: hit rate vs an ideal LRU, balance of bytes and load."""
+    from kvring.bench.trace import run_trace
+
+    run_trace(file, nodes=nodes, memory=_size(memory, "--memory"), etcd=etcd, limit=limit,
+              block_bytes=_size(block_bytes, "--block-bytes"), json_out=json_out, plot=plot)
+
+
+@app.command()
+def drain(
+    admin_url: Annotated[str | None, typer.Option(
+        "--admin", help="The node's admin URL, e.g. http://127.0.0.1:8080 (a pod's preStop hook).")] = None,
+    etcd: Annotated[str | None, typer.Option("--etcd", help="etcd endpoints, to drain --node through etcd.")] = None,
+    cluster: ClusterOpt = "default",
+    node_id: Annotated[str | None, typer.Option("--node", help="Node id to drain (with --etcd).")] = None,
+    wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for 'drained' (0: do not wait).",
+                                        min=0)] = 0,
+    cancel: Annotated[bool, typer.Option("--cancel", help="Withdraw the drain request instead.")] = False,
+) -> None:
+    """Drain a node: it leaves the ring and hands every chunk to its new owners, then reports drained."""
+    from kvring.membership.settings import EtcdSettings
+    from kvring.cli.drain import DrainFailed, drain_via_admin, drain_via_etcd
+
+    if (admin_url is None) == (etcd is None):
+        raise typer.BadParameter("give either --admin URL (drain the node behind it) or --etcd with --node")
+    try:
+        if admin_url is not None:
+            drain_via_admin(admin_url, wait, cancel, typer.echo)
+        else:
+            if not node_id:
+                raise typer.BadParameter("--etcd needs --node NODE_ID", param_hint="--node")
+            try:
+                settings = EtcdSettings.parse(etcd, cluster=cluster)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--etcd") from None
+            drain_via_etcd(settings, node_id, wait, cancel, typer.echo)
+    except DrainFailed as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def operator(
+    namespace: Annotated[list[str] | None, typer.Option(
+        "--namespace", "-n", help="Serve CacheClusters in this namespace (repeat; globs allowed). Default: all.")] = None,
+    status_interval: Annotated[float, typer.Option(help="Seconds between status updates of each CacheCluster.",
+                                                   min=0.1)] = 10.0,
+    etcd_timeout: Annotated[float, typer.Option(help="Seconds per etcd request.", min=0.1)] = 2.0,
+    liveness: Annotated[str | None, typer.Option(
+        help="Serve a liveness probe here, e.g. http://0.0.0.0:8081/healthz.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run the Kubernetes operator for CacheCluster resources (in a pod: its service account; else $KUBECONFIG)."""
+    from kvring.operator.config import OperatorConfig
+    from kvring.operator.main import run
+
+    run(OperatorConfig(namespaces=tuple(namespace or ()), status_interval=status_interval,
+                       etcd_timeout=etcd_timeout, liveness_endpoint=liveness), verbose=verbose)
+
+
+@app.command()
+def admin(
+    etcd: EtcdOpt,
+    cluster: ClusterOpt = "default",
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 inside a pod).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
+    token: Annotated[str | None, typer.Option(
+        "--token", envvar="KVRING_ADMIN_TOKEN", show_default=False,
+        help="Bearer token for drain and flush (prefer the KVRING_ADMIN_TOKEN variable: a command line is "
+             "visible to other users). Without one those endpoints are off.")] = None,
+    node_timeout: Annotated[float, typer.Option(help="Seconds to wait for a node's /stats.")] = 2.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Serve the cluster admin API (FastAPI; OpenAPI docs at /docs)."""
+    import uvicorn
+
+    from kvring.admin import AdminSettings, create_app
+    from kvring.membership.settings import EtcdSettings
+
+    _logging(verbose)
+    try:
+        settings = AdminSettings(etcd=EtcdSettings.parse(etcd, cluster=cluster), token=token or None,
+                                 node_timeout=node_timeout)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(f"kvring admin API for cluster {cluster!r} on http://{host}:{port} (docs /docs); drain and flush "
+               + ("need the bearer token" if settings.token else "are off: set KVRING_ADMIN_TOKEN to enable them"),
+               err=True)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="debug" if verbose else "warning")
+
+
+def main() -> None:
+    app()
+
+

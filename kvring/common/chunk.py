@@ -1,0 +1,127 @@
+"""Chunk objects: one contiguous, layer-major buffer plus its metadata.
+
+A chunk's payload is ``shape = [layers, ...]`` elements of ``dtype``, laid out layer-major, so
+layers ``[a, b)`` are the contiguous byte range ``[a * layer_bytes, b * layer_bytes)`` and can
+be sent as a zero-copy slice.  Every layer carries its own XXH3-64 checksum: the node verifies
+all of them on PUT, and a client verifies each layer it receives, whole chunk or layer range.
+
+A chunk may name the namespace it was computed in (the connector's model/layout/``cache_salt``
+namespace), so a whole namespace can be flushed from the cluster at once.  ``""`` means none:
+such chunks are never touched by a flush.  The field is the last one of the metadata array, so
+chunks from clients that do not send it decode with ``""``, and older nodes ignore it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+
+from .errors import ErrorCode, ProtocolError
+
+# Element sizes of the dtypes a KV cache is stored in.  bfloat16 and the fp8 types have no
+# NumPy dtype; chunks are opaque bytes to kvring, so only the size matters here.
+DTYPE_SIZES: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+MAX_DIMS = 8
+MAX_NAMESPACE_BYTES = 256
+
+
+class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
+    """Shape, dtype, token count, per-layer checksums and namespace of one chunk."""
+
+    shape: list[int]
+    dtype: str
+    tokens: int
+    checksums: list[int]
+    namespace: str = ""  # trailing and defaulted: wire-compatible both ways
+
+    @property
+    def layers(self) -> int:
+        return self.shape[0]
+
+    @property
+    def layer_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.layers * self.layer_bytes
+
+
+def layer_checksums(payload, layers: int) -> list[int]:
+    """XXH3-64 of each of ``layers`` equal slices of ``payload``."""
+    mv = memoryview(payload).cast("B")
+    step = len(mv) // layers
+    return [xxhash.xxh3_64_intdigest(mv[i * step:(i + 1) * step]) for i in range(layers)]
+
+
+def make_meta(payload, shape: tuple[int, ...] | list[int], dtype: str, tokens: int,
+              namespace: str = "") -> ChunkMeta:
+    """Build and check the metadata of a payload (client side, before PUT)."""
+    shape = [int(d) for d in shape]
+    meta = ChunkMeta(shape=shape, dtype=str(dtype), tokens=int(tokens), checksums=[0] * (shape[0] if shape else 0),
+                     namespace=str(namespace))
+    validate_meta(meta, max_bytes=None)
+    n = memoryview(payload).nbytes
+    if n != meta.nbytes:
+        raise ProtocolError(f"payload is {n} bytes but shape {shape} of {dtype} needs {meta.nbytes}",
+                            ErrorCode.SIZE_MISMATCH)
+    return msgspec.structs.replace(meta, checksums=layer_checksums(payload, shape[0]))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkItem:
+    """One chunk to store: its key, its layer-major payload and the payload's metadata
+    (checksums included).  Build it with ``of``/``of_array``, which compute and check the
+    metadata; a chunk read back (``Chunk``) can be stored again with its own metadata."""
+
+    key: bytes
+    payload: Any  # a contiguous buffer: bytes, bytearray, memoryview, NumPy array
+    meta: ChunkMeta
+
+    @classmethod
+    def of(cls, key: bytes, payload, shape, dtype: str, tokens: int, namespace: str = "") -> ChunkItem:
+        if hasattr(payload, "__array__") and not isinstance(payload, (bytes, bytearray, memoryview)):
+            payload = np.ascontiguousarray(payload)
+        return cls(bytes(key), payload, make_meta(payload, shape, dtype, tokens, namespace))
+
+    @classmethod
+    def of_array(cls, key: bytes, arr: np.ndarray, tokens: int, dtype: str | None = None,
+                 namespace: str = "") -> ChunkItem:
+        """A NumPy array, layer-major (``dtype`` overrides, e.g. bf16 carried as uint16)."""
+        arr = np.ascontiguousarray(arr)
+        return cls(bytes(key), arr, make_meta(arr, arr.shape, dtype or arr.dtype.name, tokens, namespace))
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+
+def validate_meta(meta: ChunkMeta, max_bytes: int | None) -> None:
+    """Raise ``ProtocolError`` if ``meta`` cannot describe a valid chunk."""
+    if meta.dtype not in DTYPE_SIZES:
+        raise ProtocolError(f"unsupported dtype {meta.dtype!r}; one of {sorted(DTYPE_SIZES)}")
+    if not 1 <= len(meta.shape) <= MAX_DIMS:
+        raise ProtocolError(f"shape must have 1..{MAX_DIMS} dims, got {meta.shape}")
+    if any(d <= 0 for d in meta.shape):
+        raise ProtocolError(f"shape dims must be positive, got {meta.shape}")
+    if meta.tokens <= 0:
+        raise ProtocolError(f"token count must be positive, got {meta.tokens}")
+    if len(meta.checksums) != meta.shape[0]:
+        raise ProtocolError(f"{len(meta.checksums)} checksums for {meta.shape[0]} layers")
+    if len(meta.namespace.encode()) > MAX_NAMESPACE_BYTES:
+        raise ProtocolError(f"namespace of {len(meta.namespace.encode())} bytes exceeds {MAX_NAMESPACE_BYTES}")
+    if max_bytes is not None and meta.nbytes > max_bytes:
+        raise ProtocolError(f"chunk of {meta.nbytes} bytes exceeds the maximum of {max_bytes}", "too_large")

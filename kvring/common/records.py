@@ -1,0 +1,20 @@
+"""A node's entry in its cluster's membership (JSON under ``nodes/<node-id>`` in etcd)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from .types import NodeState
+
+
+class NodeRecord(msgspec.Struct, frozen=True):
+    node_id: str
+    data_addr: str  # "tcp://host:port" of the data protocol
+    admin_addr: str  # "http://host:port" of /healthz, /readyz, /metrics, /stats, /drain
+    capacity: int  # the node's memory budget in bytes (its weight on the ring)
+    state: NodeState = NodeState.ACTIVE
+    pid: int = 0
+
+    @property
+    def on_ring(self) -> bool:
+        return self.state.on_ring

@@ -1,0 +1,384 @@
+"""Run prompts through one real vLLM engine (CPU build), optionally with KVRingConnector.
+
+A child-process entry point (vLLM starts its engine in a spawned process, and each instance
+must be a separate process): ``python -P -m kvring.engine.run SPEC.json OUT.json``.  SPEC holds
+the model dir, the prompts, and the connector settings (or none); OUT gets each prompt's greedy
+output tokens, its time to first token and the tokens vLLM did not compute (``cached``: loaded
+from kvring, or hit in vLLM's own prefix cache when that is on).
+
+SPEC (JSON)::
+
+    {"model": DIR,                       # e.g. from write_tiny_llama
+     "dtype": "bfloat16",                # optional; also the dtype of generated prompt embeds
+     "max_model_len": 8192, "max_tokens": 8, "prefix_caching": false, "kv_cache_gib": 1,
+     "connector": {...} | null,          # KVRingConnector's kv_connector_extra_config
+     "lora": {                           # optional: LLM(enable_lora=True, ...)
+         "max_rank": 8,                  # max_lora_rank (vLLM allows 1, 8, 16, 32, 64, ...)
+         "adapters": {NAME: DIR},        # e.g. from write_random_lora
+         "ids": {NAME: INT},             # optional: lora_int_id per adapter (>= 1); default
+                                         #   1, 2, ... in the order of "adapters"
+         "max_loras": INT},              # optional: default len(adapters)
+     "prompt_embeds": false,             # true: LLM(enable_prompt_embeds=True)
+     "prompts": [ITEM, ...]}
+
+    ITEM = {"tokens": [int, ...]                      # a TokensPrompt
+            | "embeds_seed": int, "embeds_len": int,  # an EmbedsPrompt of random_prompt_embeds()
+            "salt": str,                              # optional cache_salt
+            "lora": NAME}                             # optional: run under that adapter
+         | {"batch": [ITEM, ...]}                     # these prompts in one generate call (at once)
+         | {"signal": [PID, "SIGSTOP"]}               # send a signal (e.g. stop a cache node)
+         | {"reset_cache": true}                      # reset_prefix_cache(reset_connector=True): what
+                                                      #   vLLM does after an in-place weight update
+         | {"wait_for": PATH, "timeout": 1800}        # wait until the file PATH exists (a driver's go)
+         | {"touch": PATH}                            # create the file PATH (tell a driver a step is done)
+
+Each prompt gets one result, in order (a batch's prompts one each); actions get none.  Each
+generate call (a prompt or a batch) also gets one entry in OUT's ``steps``: its prompts, its wall
+time and the connector's counters after it (``connector_counters``: cumulative, ``{}`` without a
+connector), so a driver can tell what the connector did during one batch.
+
+``wait_for`` and ``touch`` let a driver keep several engines alive and run their batches in
+turn (``start_instance``): ``kvring bench miss`` alternates two engines that way.
+
+The int ids are vLLM-process-local handles for the adapters (vLLM's LoRA manager keys its
+loaded adapters by them); a correct cache must key by what the adapter is, never by its id,
+so tests run the same adapter under different ids in different instances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvring.common.contract import transfer_config
+
+if TYPE_CHECKING:
+    import torch
+
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ACTIONS = {"signal", "reset_cache", "wait_for", "touch"}  # spec steps that run no prompt
+
+
+def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
+                     vocab: int = 2048, seed: int = 0, head_dim: int | None = None,
+                     intermediate: int | None = None) -> Path:
+    """A small random-weight Llama, saved locally (no download); MLP width ``2 * hidden`` unless given."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate or hidden * 2, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=16384, torch_dtype="bfloat16",
+                         head_dim=head_dim or hidden // heads)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def write_random_lora(path: Path, base_model_dir: Path, rank: int = 8, seed: int = 0,
+                      target_modules: Sequence[str] = LORA_TARGETS, strength: float = 2.0) -> Path:
+    """A random-weight LoRA adapter for the Llama in ``base_model_dir``, in PEFT's format (no peft needed).
+
+    Writes ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's tensor names
+    (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``, shape ``[rank, in]``;
+    ``...lora_B.weight``, shape ``[out, rank]``) for the attention projections in
+    ``target_modules`` (any of q/k/v/o_proj) of every layer.  ``lora_alpha = rank``, so vLLM's
+    scaling is 1 and each projection's update ``B @ A`` has entries of standard deviation
+    ``strength * initializer_range``: ``strength`` times the base weights' (random) scale, so an
+    adapter clearly changes the layers' K/V and the greedy outputs.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = _model_config(base_model_dir)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden)}  # (in, out)
+    unknown = set(target_modules) - set(shapes)
+    if unknown:
+        raise ValueError(f"unsupported LoRA target modules {sorted(unknown)}; supported: {sorted(shapes)}")
+    b_std = strength * cfg.get("initializer_range", 0.02) / rank ** 0.5  # std(B @ A) = sqrt(rank) * 1 * b_std
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module in target_modules:
+            fan_in, fan_out = shapes[module]
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * b_std
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model_dir),
+        "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+        "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
+        "target_modules": list(target_modules)}, indent=2))
+    return path
+
+
+def random_prompt_embeds(model_dir: Path, seed: int, length: int, dtype: str = "bfloat16") -> torch.Tensor:
+    """Deterministic random prompt embeddings ``[length, hidden]`` for the model in ``model_dir``.
+
+    Drawn like the rows of a freshly initialized embedding table (normal, standard deviation
+    ``initializer_range``) from ``seed`` alone, so any process regenerates the same tensor.
+    """
+    import torch
+
+    cfg = _model_config(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(length, cfg["hidden_size"], generator=gen) * cfg.get("initializer_range", 0.02)
+    return embeds.to(_torch_dtype(dtype, cfg))
+
+
+def _torch_dtype(dtype: str, cfg: dict[str, Any]) -> torch.dtype:
+    """The torch dtype vLLM runs the model in for ``dtype`` (``"auto"``: the checkpoint's)."""
+    import torch
+
+    if dtype == "auto":
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return {"half": torch.float16, "float": torch.float32}.get(dtype) or getattr(torch, dtype)
+
+
+def run_instance(tmp: Path, name: str, spec: dict) -> dict:
+    """Run ``spec`` in a vLLM instance of its own (a child process); its OUT as a dict."""
+    import subprocess
+
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp / f"{name}.json"),
+                           str(tmp / f"{name}.out")], capture_output=True, text=True)
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM instance {name!r} failed (exit {proc.returncode}; whole log in "
+                           f"{tmp / name}.log):\n{proc.stderr[-4000:]}")
+    return json.loads((tmp / f"{name}.out").read_text())
+
+
+class Instance:
+    """A vLLM instance running a spec in a child process of its own session (``start_instance``).
+
+    Its output (vLLM's log) goes to ``TMP/NAME.log``; with ``tmpdir`` set, the child's (and vLLM's)
+    temporary files (IPC sockets, rendezvous files) go under that directory instead of the system's;
+    ``env`` adds environment variables (e.g. vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
+    """
+
+    def __init__(self, tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        import subprocess
+
+        self.name, self.log, self.out = name, tmp / f"{name}.log", tmp / f"{name}.out"
+        (tmp / f"{name}.json").write_text(json.dumps(spec))
+        env = {**os.environ, **(env or {}), **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp / f"{name}.json"),
+                                          str(self.out)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def check(self) -> None:
+        """Raise if the instance has exited with an error (the end of its log in the message)."""
+        code = self.proc.poll()
+        if code:
+            tail = self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+            raise RuntimeError(f"vLLM instance {self.name!r} failed (exit {code}):\n{tail}")
+
+    def wait_file(self, path: Path, timeout: float) -> None:
+        """Wait until the instance creates ``path`` (a ``touch`` step); raise if it exits first."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            self.check()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM instance {self.name!r} exited before {path.name}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM instance {self.name!r}: no {path.name} within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def result(self, timeout: float | None = None) -> dict:
+        """Wait for the instance to finish; its OUT as a dict."""
+        self.proc.wait(timeout)
+        self.check()
+        return json.loads(self.out.read_text())
+
+    def stop(self) -> None:
+        """End the instance and every process it started (its session), if still running."""
+        from kvring.local.cluster import stop_process_group
+
+        stop_process_group(self.proc, timeout=15)
+
+
+def start_instance(tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,
+                   env: dict[str, str] | None = None) -> Instance:
+    """Start ``spec`` in a vLLM instance of its own (a child process) and return at once."""
+    return Instance(tmp, name, spec, tmpdir, env)
+
+
+def connector_counters() -> dict[str, float]:
+    """The connector's counters as vLLM's Prometheus metrics hold them in this process (cumulative).
+
+    ``{name: value}`` for every ``vllm:kvring_<name>_total`` series, summed over labels (engines,
+    and for ``failed_blocks`` the reasons); ``{}`` when the engine has no connector.  Read from
+    prometheus_client's registry directly: ``LLM.get_metrics()`` returns the same series but
+    truncates every counter to an int (vLLM's ``v1/metrics/reader.py``), which turns seconds
+    such as ``scheduler_hook_seconds`` into 0.
+    """
+    from prometheus_client import REGISTRY
+
+    counters: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        if metric.type != "counter" or not metric.name.startswith("vllm:kvring_"):
+            continue
+        name = metric.name.removeprefix("vllm:kvring_")
+        counters[name] = sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return counters
+
+
+def _lora_requests(lora: dict) -> dict[str, Any]:
+    """One ``LoRARequest`` per adapter of ``spec["lora"]``, with its int id (given, or 1, 2, ... in order)."""
+    from vllm.lora.request import LoRARequest
+
+    ids = lora.get("ids") or {}
+    if len(set(ids.values())) != len(ids):
+        raise ValueError(f"LoRA ids must be distinct: {ids}")
+    return {name: LoRARequest(name, int(ids.get(name, i + 1)), str(path))
+            for i, (name, path) in enumerate(lora["adapters"].items())}
+
+
+def _prompt(spec: dict, item: dict) -> dict:
+    """The vLLM prompt (a ``TokensPrompt`` or an ``EmbedsPrompt``) of one spec item."""
+    from vllm.inputs import EmbedsPrompt, TokensPrompt
+
+    salt = {"cache_salt": item["salt"]} if item.get("salt") else {}
+    if "embeds_seed" in item:
+        embeds = random_prompt_embeds(Path(spec["model"]), item["embeds_seed"], item["embeds_len"],
+                                      spec.get("dtype", "bfloat16"))
+        return EmbedsPrompt(prompt_embeds=embeds, **salt)
+    return TokensPrompt(prompt_token_ids=item["tokens"], **salt)
+
+
+def _prompt_items(items: list[dict]) -> list[dict]:
+    """The prompt items of a spec's list, batches opened, actions left out."""
+    out = []
+    for item in items:
+        if "batch" in item:
+            out.extend(item["batch"])
+        elif not _ACTIONS & set(item):
+            out.append(item)
+    return out
+
+
+def engine_kwargs(spec: dict) -> dict[str, Any]:
+    """``LLM(**engine_kwargs(spec))``: the engine a spec runs (also what ``layout_of`` configures)."""
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if spec.get("connector"):
+        extra = dict(spec["connector"])
+        kw["kv_transfer_config"] = KVTransferConfig(**transfer_config(extra.pop("etcd"), extra.pop("cluster", "default"),
+                                                                      **extra))
+    if spec.get("lora"):
+        kw.update(enable_lora=True, max_lora_rank=spec["lora"].get("max_rank", 8),
+                  max_loras=spec["lora"].get("max_loras", len(spec["lora"]["adapters"])))
+    if spec.get("prompt_embeds"):
+        kw["enable_prompt_embeds"] = True
+    return dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
+                dtype=spec.get("dtype", "bfloat16"),
+                enable_prefix_caching=spec.get("prefix_caching", False),
+                max_model_len=spec.get("max_model_len", 8192),
+                max_num_batched_tokens=spec.get("max_model_len", 8192), gpu_memory_utilization=0.5, seed=0,
+                disable_log_stats=False, **kw)
+
+
+def layout_of(spec: dict, chunk_size: int):
+    """The ``KVLayout`` the connector of ``spec``'s engine keys chunks in, without starting it.
+
+    Tests use it to pick prompts by the nodes that own their chunks.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvring.connector.instance import layout_from_vllm
+
+    kw = engine_kwargs({**spec, "connector": None})
+    config = EngineArgs(**kw).create_engine_config()
+    return layout_from_vllm(config, chunk_size)
+
+
+def run(spec: dict) -> dict:
+    """Run the prompts of ``spec`` (format in the module docstring) one after another in one engine."""
+    from vllm import LLM, SamplingParams
+
+    kw = engine_kwargs(spec)
+    lora_requests = _lora_requests(spec["lora"]) if spec.get("lora") else {}
+    llm = LLM(**kw)
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
+    results, steps = [], []
+    for step in spec["prompts"]:
+        if "wait_for" in step:
+            _wait_for(Path(step["wait_for"]), step.get("timeout", 1800))
+            continue
+        if "touch" in step:
+            Path(step["touch"]).touch()
+            continue
+        if "signal" in step:
+            pid, sig = step["signal"]
+            os.kill(int(pid), getattr(signal, sig))
+            continue
+        if "reset_cache" in step:
+            if not llm.reset_prefix_cache(reset_connector=True):
+                raise RuntimeError("reset_prefix_cache(reset_connector=True) failed")
+            continue
+        batch = step.get("batch") or [step]
+        prompts = [_prompt(spec, item) for item in batch]
+        loras = [lora_requests[item["lora"]] if item.get("lora") else None for item in batch]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False,
+                            lora_request=loras if any(loras) else None)
+        t1 = time.perf_counter()
+        for out in outs:
+            metrics = getattr(out, "metrics", None)
+            results.append({"tokens": list(out.outputs[0].token_ids), "seconds": t1 - t0,
+                            "ttft": getattr(metrics, "first_token_latency", None) if metrics else None,
+                            "cached": getattr(out, "num_cached_tokens", None)})
+        steps.append({"prompts": len(outs), "seconds": t1 - t0,
+                      "counters": connector_counters() if spec.get("connector") else {}})
+    keys: list[list[str] | None] = []
+    layout_fields = None
+    if spec.get("connector"):
+        from kvring.cachenode.client import ClusterClient
+        from kvring.connector.instance import layout_from_vllm
+        from kvring.connector.keys import KeyScope, request_keys
+
+        with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
+            layout = layout_from_vllm(llm.llm_engine.vllm_config, c.contract.chunk_size)
+        # Keys of plain token prompts only: how the connector keys a prompt under an adapter or
+        # given as embeddings is the connector's business, so those items get None.
+        keys = [[k.hex() for k in request_keys(layout, item["tokens"], KeyScope(cache_salt=item.get("salt") or ""))]
+                if "tokens" in item and not item.get("lora") else None for item in _prompt_items(spec["prompts"])]
+        layout_fields = dataclasses.asdict(layout)
+    return {"results": results, "keys": keys, "layout": layout_fields, "steps": steps}
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s (is the driver gone?)")
+        time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
+    Path(sys.argv[2]).write_text(json.dumps(run(spec)))

@@ -1,0 +1,306 @@
+"""Run a kvring cluster on this machine: a local etcd plus node processes on loopback, and
+optionally the admin API.
+
+Used by ``kvring up``, the benchmarks and the tests.  Every process is started in its own
+process group and stopped (SIGTERM, then SIGKILL) on ``close()``, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from kvring.common.contract import Contract
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_etcd() -> str:
+    path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+    if path is None:
+        raise FileNotFoundError(
+            "the etcd binary was not found; install it (Debian: `apt-get install etcd-server`) or pass "
+            "--etcd host:port of a running etcd")
+    return path
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGTERM the process group ``proc`` leads; SIGKILL it if ``proc`` has not exited after ``timeout``."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class LocalEtcd:
+    """A throw-away etcd server on free loopback ports with a temporary data dir."""
+
+    def __init__(self) -> None:
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.data_dir = tempfile.mkdtemp(prefix="kvring-etcd-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 15.0) -> LocalEtcd:
+        url = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [find_etcd(), "--name", "kvring", "--data-dir", self.data_dir,
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvring={peer}", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with code {self.proc.returncode} at start")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"etcd did not become healthy within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+@dataclass
+class NodeProcess:
+    """One ``kvring node`` child process."""
+
+    node_id: str
+    memory: int
+    etcd: str
+    cluster: str = "default"
+    lease_ttl: int = 10
+    contract: Contract = field(default_factory=Contract)
+    extra: list[str] = field(default_factory=list)
+    data_port: int = 0
+    admin_port: int = 0
+    proc: subprocess.Popen | None = None
+    _drainer: threading.Thread | None = None
+    data_addr: str = ""
+    admin_addr: str = ""
+    output_bytes: int = 0  # what the node has written to stdout/stderr (its log) so far
+
+    def command(self) -> list[str]:
+        c = self.contract
+        return [sys.executable, "-P", "-m", "kvring.cli", "node", "--node-id", self.node_id,
+                "--memory", str(self.memory), "--etcd", self.etcd, "--cluster", self.cluster,
+                "--lease-ttl", str(self.lease_ttl), "--data-port", str(self.data_port),
+                "--admin-port", str(self.admin_port), "--chunk-size", str(c.chunk_size),
+                "--vnodes", str(c.vnodes), "--replication", str(c.replication), *self.extra]
+
+    def start(self, timeout: float = 20.0, wait: bool = True) -> NodeProcess:
+        env = dict(os.environ)
+        # A fixed mmap threshold makes glibc return freed chunk buffers to the OS at once,
+        # so the node's RSS follows its stored bytes instead of its high-water mark.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True, text=True)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        lines = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                code = self.proc.wait()
+                self._release()
+                raise RuntimeError(f"node {self.node_id} exited (code {code}):\n" + "".join(lines))
+            lines.append(line)
+            self.output_bytes += len(line.encode())
+            if line.startswith("READY "):
+                fields = dict(part.split("=", 1) for part in line.split()[1:])
+                self.data_addr, self.admin_addr = fields["data"], fields["admin"]
+                # Keep draining output so the child never blocks on a full pipe.
+                self._drainer = threading.Thread(target=self._drain, daemon=True)
+                self._drainer.start()
+                return
+        raise TimeoutError(f"node {self.node_id} not ready within {timeout}s:\n" + "".join(lines))
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.output_bytes += len(line.encode())
+            logger.debug("[%s] %s", self.node_id, line.rstrip())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL, no goodbye: the node's lease has to run out."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._release()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc)
+        self._release()
+
+    def _release(self) -> None:
+        if self._drainer is not None:
+            self._drainer.join(2)
+            self._drainer = None
+        if self.proc is not None and self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.stdout.close()
+
+
+@dataclass
+class AdminProcess:
+    """A ``kvring admin`` child process on loopback; the token travels in its environment."""
+
+    etcd: str
+    cluster: str = "default"
+    port: int = 0
+    token: str | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> AdminProcess:
+        self.port = self.port or free_port()
+        env = dict(os.environ)
+        env.pop("KVRING_ADMIN_TOKEN", None)
+        if self.token:
+            env["KVRING_ADMIN_TOKEN"] = self.token
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "kvring.cli", "admin", "--etcd", self.etcd, "--cluster", self.cluster,
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"kvring admin exited with code {self.proc.returncode}:\n{err}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        # Keep reading its log so the child never blocks on a full pipe.
+                        threading.Thread(target=self._drain_stderr, daemon=True).start()
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"kvring admin did not answer /healthz within {timeout}s")
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:
+            logger.debug("[admin] %s", line.decode(errors="replace").rstrip())
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc)
+            if self.proc.stderr is not None:
+                self.proc.stderr.close()
+
+
+class LocalCluster:
+    """etcd (started here unless ``etcd`` is given) plus ``nodes`` node processes, and the admin
+    API on loopback when ``admin`` is set."""
+
+    def __init__(self, nodes: int = 3, memory: int = 1 << 30, etcd: str | None = None,
+                 cluster: str = "default", lease_ttl: int = 10, contract: Contract | None = None,
+                 node_args: list[str] | None = None, admin: bool = False, admin_port: int = 0,
+                 admin_token: str | None = None) -> None:
+        self.local_etcd = None if etcd else LocalEtcd()
+        self.etcd = etcd or self.local_etcd.endpoint
+        self.cluster = cluster
+        self.contract = contract or Contract()
+        self.nodes = [NodeProcess(f"node-{i}", memory, self.etcd, cluster, lease_ttl, self.contract,
+                                  list(node_args or [])) for i in range(nodes)]
+        self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token) if admin else None
+
+    def start(self) -> LocalCluster:
+        try:
+            if self.local_etcd is not None:
+                self.local_etcd.start()
+            for node in self.nodes:
+                node.start(wait=False)
+            for node in self.nodes:
+                node.wait_ready()
+            if self.admin is not None:
+                self.admin.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def add_node(self, memory: int | None = None) -> NodeProcess:
+        first = self.nodes[0]
+        node = NodeProcess(f"node-{len(self.nodes)}", memory or first.memory, self.etcd, self.cluster,
+                           first.lease_ttl, self.contract, list(first.extra))
+        self.nodes.append(node.start())
+        return node
+
+    def etcd_run(self, fn):
+        """Run ``await fn(etcd)`` against this cluster's etcd (an ``Etcd`` of its own), from sync code."""
+        import asyncio
+
+        from kvring.membership.etcd import Etcd
+        from kvring.membership.settings import EtcdSettings
+
+        async def run():
+            etcd = Etcd(EtcdSettings.parse(self.etcd, cluster=self.cluster))
+            try:
+                return await fn(etcd)
+            finally:
+                await etcd.close()
+        return asyncio.run(run())
+
+    def close(self) -> None:
+        if self.admin is not None:
+            self.admin.stop()
+        for node in self.nodes:
+            node.stop()
+        if self.local_etcd is not None:
+            self.local_etcd.close()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

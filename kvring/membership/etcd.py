@@ -1,0 +1,156 @@
+"""Cluster membership and the cluster contract, kept in etcd.
+
+Layout under ``<prefix>/<cluster>/`` (default prefix ``/kvring``):
+
+- ``contract``: the hashing/placement contract, written once by the first process of the
+  cluster (a compare-and-swap on the key's version); everyone after compares theirs to it.
+- ``nodes/<node-id>``: one JSON ``NodeRecord`` per node, attached to the node's lease (TTL ~10 s,
+  kept alive at a third of it).  A node that dies stops refreshing; etcd deletes the record
+  when the lease runs out and every client drops the node from its ring.
+- ``drain/<node-id>``: a drain request (no lease; JSON with the time it was asked for).  The
+  node polls for its key, sets its state ``draining`` (clients drop it from the ring, it keeps
+  serving reads), hands every chunk to its new owners and then reports ``drained``.  Deleting
+  the key (``cancel_drain``) before the node exits sends it back to ``active``.  A node that
+  exits after reporting ``drained`` deletes its key itself: the request has been carried out,
+  and a pod that later comes back under the same id starts active.
+
+Node states are ``kvring.common.types.NodeState``.
+
+Only this package imports ``aetcd``; grpc/etcd failures become ``MembershipError``.
+``Etcd`` and ``Registrar`` run on an asyncio loop that their owner drives (the node's or the
+client's background thread); their coroutines never block that loop on anything but etcd I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aetcd
+import msgspec
+
+from kvring.common.contract import Contract
+from kvring.common.errors import ContractMismatch, MembershipError
+from kvring.common.records import NodeRecord
+
+from .settings import EtcdSettings, check_node_id
+
+logger = logging.getLogger(__name__)
+
+
+class Etcd:
+    """A reconnecting aetcd client over the configured endpoints (tried in turn)."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        self.settings = settings
+        self._client: aetcd.Client | None = None
+        self._next = 0
+
+    async def client(self) -> aetcd.Client:
+        if self._client is None:
+            host, _, port = self.settings.endpoints[self._next % len(self.settings.endpoints)].rpartition(":")
+            self._next += 1
+            client = aetcd.Client(host=host, port=int(port), timeout=self.settings.timeout)
+            try:
+                await asyncio.wait_for(client.connect(), self.settings.timeout)
+            except Exception as exc:
+                await self._close(client)
+                raise MembershipError(f"cannot connect to etcd at {host}:{port}: {exc}") from exc
+            self._client = client
+        return self._client
+
+    async def call(self, fn: Callable[[aetcd.Client], Awaitable]):
+        """Run ``fn(client)``; on failure drop the connection and raise ``MembershipError``."""
+        client = await self.client()
+        try:
+            return await asyncio.wait_for(fn(client), self.settings.timeout * 2)
+        except ContractMismatch:
+            raise
+        except Exception as exc:
+            self._client = None
+            await self._close(client)
+            raise MembershipError(f"etcd request failed: {type(exc).__name__}: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await self._close(client)
+
+    @staticmethod
+    async def _close(client: aetcd.Client) -> None:
+        try:
+            await asyncio.wait_for(client.close(), 1.0)
+        except Exception:
+            pass
+
+    # ---- cluster-level operations ------------------------------------------------------------
+
+    async def ensure_contract(self, contract: Contract) -> Contract:
+        """Record ``contract`` if the cluster has none; raise ``ContractMismatch`` if it differs."""
+        key = self.settings.key("contract")
+
+        async def txn(c: aetcd.Client):
+            return await c.transaction(
+                compare=[c.transactions.version(key) == 0],
+                success=[c.transactions.put(key, contract.to_json())],
+                failure=[c.transactions.get(key)],
+            )
+
+        created, responses = await self.call(txn)
+        if created:
+            logger.info("recorded the contract of cluster %r: %s", self.settings.cluster, contract)
+            return contract
+        recorded = Contract.from_json(responses[0][0][0])
+        diff = contract.differences(recorded)
+        if diff:
+            raise ContractMismatch(
+                f"contract mismatch with cluster {self.settings.cluster!r} in etcd: " + "; ".join(diff)
+                + ". Start this process with the cluster's settings, or use another --cluster name."
+            )
+        return recorded
+
+    async def read_contract(self) -> Contract | None:
+        got = await self.call(lambda c: c.get(self.settings.key("contract")))
+        return Contract.from_json(got.value) if got is not None else None
+
+    async def members(self) -> tuple[dict[str, NodeRecord], int]:
+        """All registered nodes and the etcd revision they were read at."""
+        rng = await self.call(lambda c: c.get_prefix(self.settings.nodes_prefix))
+        out: dict[str, NodeRecord] = {}
+        for kv in rng:
+            try:
+                rec = msgspec.json.decode(kv.value, type=NodeRecord)
+            except msgspec.DecodeError:
+                logger.warning("ignoring a malformed node record at %s", kv.key)
+                continue
+            out[rec.node_id] = rec
+        return out, rng.header.revision
+
+    async def request_drain(self, node_id: str) -> None:
+        """Ask ``node_id`` to hand off its chunks and leave the ring (idempotent)."""
+        key = self.settings.key("drain", check_node_id(node_id))
+        value = json.dumps({"requested_at": time.time()}).encode()
+        await self.call(lambda c: c.put(key, value))
+
+    async def cancel_drain(self, node_id: str) -> None:
+        """Withdraw a drain request; a node still running goes back to ``active``."""
+        key = self.settings.key("drain", check_node_id(node_id))
+        await self.call(lambda c: c.delete(key))
+
+    async def drain_requests(self) -> set[str]:
+        """Node ids with a pending drain request."""
+        rng = await self.call(lambda c: c.get_prefix(self.settings.drain_prefix))
+        cut = len(self.settings.drain_prefix)
+        return {kv.key[cut:].decode() for kv in rng}
+
+    async def drain_requested(self, node_id: str) -> bool:
+        """Whether ``node_id`` has a pending drain request (what a node polls)."""
+        got = await self.call(lambda c: c.get(self.settings.key("drain", check_node_id(node_id))))
+        return got is not None
+
+    async def delete_cluster(self) -> int:
+        rng = await self.call(lambda c: c.delete_prefix(self.settings.key("")))
+        return getattr(rng, "deleted", 0)
