@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +63,10 @@ class Message:
     payloads: list  # bytearray, or (large ones) a uint8 ndarray: read straight from the socket
 
 
+def _empty(size: int) -> np.ndarray:
+    return np.empty(size, dtype=np.uint8)
+
+
 def pack(header: bytes, payloads: Sequence = ()) -> list:
     """The buffers of one message, ready for ``sendmsg`` (payloads by reference)."""
     n = len(payloads)
@@ -73,8 +77,11 @@ def pack(header: bytes, payloads: Sequence = ()) -> list:
 class FrameReader:
     """Incremental parser of the messages arriving on one socket (see the module docstring)."""
 
-    def __init__(self, limits: FrameLimits, bufsize: int = RECV_BUFFER) -> None:
+    def __init__(self, limits: FrameLimits, bufsize: int = RECV_BUFFER,
+                 allocate: Callable[[int], np.ndarray] | None = None) -> None:
         self.limits = limits
+        # Where a payload read straight from the socket lands (a node reuses evicted buffers).
+        self.allocate = allocate or _empty
         self._buf = bytearray(bufsize)
         self._view = memoryview(self._buf)
         self._start = 0  # parsed up to here
@@ -136,7 +143,7 @@ class FrameReader:
                     self._start += size
                     continue
                 if size - have > _DIRECT or size > len(self._buf):
-                    target = np.empty(size, dtype=np.uint8)  # not zero-filled: every byte is read into it
+                    target = self.allocate(size)  # not zero-filled: every byte is read into it
                     target[:have] = self._view[self._start:self._end]
                     self._start = self._end = 0
                     self._target, self._filled = target, have

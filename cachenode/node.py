@@ -35,6 +35,7 @@ from kvring.common.records import NodeRecord
 from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.membership.settings import EtcdSettings
 
+from .buffers import BufferPool
 from .dispatch import Dispatcher
 from .drain import Drain
 from .framing import FrameLimits
@@ -90,11 +91,14 @@ class NodeConfig:
 class CacheNode:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.store = ChunkStore(config.memory, make_policy(config.policy), config.max_leased_fraction)
+        self.buffers = BufferPool(limit=min(config.memory // 8, 256 << 20))
+        self.store = ChunkStore(config.memory, make_policy(config.policy), config.max_leased_fraction,
+                                recycle=self.buffers.give)
         self.metrics = NodeMetrics(self.store)
         limits = FrameLimits(max_header=P.MAX_HEADER_BYTES, max_payloads=4, max_payload=config.max_chunk_bytes,
                              max_total=config.max_chunk_bytes)
-        self.server = Server(config.host, config.data_port, handler=lambda conn, msg: None, limits=limits)
+        self.server = Server(config.host, config.data_port, handler=lambda conn, msg: None, limits=limits,
+                             allocate=self.buffers.take)
         self.data_port = self.server.port
         self.dispatcher = Dispatcher(config.node_id, self.store, self.metrics, self.server,
                                      config.max_chunk_bytes, self.stats)
@@ -176,6 +180,8 @@ class CacheNode:
             "chunks": len(self.store),
             "evictions": self.store.evictions,
             "leased_bytes": self.store.leased_bytes(),
+            "pooled_bytes": self.buffers.bytes,  # freed payload buffers kept for reuse (outside the budget)
+            "buffers_reused": self.buffers.reused,
             # hits/misses: what LOOKUPs found (the cache's hit rate); GETs are counted apart.
             "hits": m.tally["lookup_hits"],
             "misses": m.tally["lookup_misses"],

@@ -43,10 +43,10 @@ class Connection:
 
     __slots__ = ("sock", "peer", "reader", "out", "queued", "streams", "closing", "events")
 
-    def __init__(self, sock: socket.socket, peer: str, limits: FrameLimits) -> None:
+    def __init__(self, sock: socket.socket, peer: str, limits: FrameLimits, allocate) -> None:
         self.sock = sock
         self.peer = peer
-        self.reader = FrameReader(limits)
+        self.reader = FrameReader(limits, allocate=allocate)
         self.out: deque[memoryview] = deque()
         self.queued = 0  # bytes in ``out``
         self.streams: deque[Iterator[Frames]] = deque()
@@ -56,9 +56,10 @@ class Connection:
 
 class Server:
     def __init__(self, host: str, port: int, handler: Callable[[Connection, Message], None],
-                 limits: FrameLimits) -> None:
+                 limits: FrameLimits, allocate: Callable[[int], object] | None = None) -> None:
         self.handler = handler
         self.limits = limits
+        self.allocate = allocate  # where large payloads are read into (see ``FrameReader``)
         self.listener = socket.create_server((host, port), backlog=512, reuse_port=False)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -136,7 +137,7 @@ class Server:
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(sock, f"{addr[0]}:{addr[1]}", self.limits)
+            conn = Connection(sock, f"{addr[0]}:{addr[1]}", self.limits, self.allocate)
             self.conns.add(conn)
             self.sel.register(sock, selectors.EVENT_READ, conn)
 

@@ -39,6 +39,7 @@ import msgspec
 
 from kvring.common.chunk import ChunkMeta
 from kvring.common.errors import KVRingError
+
 from .policy import EvictionPolicy, LRUPolicy
 
 # Bytes charged per chunk on top of its payload: what the store keeps alive for one chunk of
@@ -93,10 +94,12 @@ class ChunkStore:
         policy: EvictionPolicy | None = None,
         max_leased_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        recycle: Callable[[Any], None] | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity must be positive, got {capacity_bytes}")
         self.capacity = capacity_bytes
+        self.recycle = recycle  # given each payload the store lets go (deleted, evicted, flushed)
         self.policy = policy or LRUPolicy()
         self._entries: dict[bytes, Entry] = {}  # in the policy's eviction order
         self.policy.attach(self._entries)
@@ -279,6 +282,8 @@ class ChunkStore:
     def _forget(self, key: bytes, entry: Entry) -> None:
         charge = _charge(entry.buf)
         self.used -= charge
+        if self.recycle is not None:
+            self.recycle(entry.buf)
         if self._lease_until.pop(key, None) is not None:
             self._leased_bytes -= charge
             self._compact_leases()

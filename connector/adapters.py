@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from .config import ADAPTER_IDENTITIES
+
 _BLOCK = 1 << 20
 
 

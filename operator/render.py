@@ -8,12 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from .contract import ADMIN_SECRET_KEY, CONFIG_HASH_ANNOTATION, TRANSFER_CONFIG_KEY, config_data, config_hash, \
-    connector_config, connector_json
+from .contract import (
+    ADMIN_SECRET_KEY,
+    CONFIG_HASH_ANNOTATION,
+    TRANSFER_CONFIG_KEY,
+    config_data,
+    config_hash,
+    connector_config,
+    connector_json,
+)
 from .naming import cluster_key, etcd_endpoints, labels, node_id, nodes_service, selector, selector_labels
 from .render_etcd import render_etcd
-from .render_nodes import node_resources, pod_memory, render_client_service, render_configmap, \
-    render_headless_service, render_pdb, render_statefulset
+from .render_nodes import (
+    node_resources,
+    pod_memory,
+    render_client_service,
+    render_configmap,
+    render_headless_service,
+    render_pdb,
+    render_statefulset,
+)
 from .spec import ClusterSpec, check_name
 
 __all__ = [

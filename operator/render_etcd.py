@@ -13,8 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .naming import ETCD_CLIENT_PORT, ETCD_METRICS_PORT, ETCD_PEER_PORT, etcd_name, etcd_peer_service, labels, \
-    selector_labels
+from .naming import (
+    ETCD_CLIENT_PORT,
+    ETCD_METRICS_PORT,
+    ETCD_PEER_PORT,
+    etcd_name,
+    etcd_peer_service,
+    labels,
+    selector_labels,
+)
 from .spec import ClusterSpec
 
 ETCD_USER = 65532  # non-root; fsGroup makes the data volume writable for it

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvring.common.types import NodeState
+
 from .status import Member, ScaleInView, ordinal
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import pytest
 from rich.console import Console
 
 from kvring.bench.dataplane import CASES, BenchError, ChunkSpec, DataPlaneSettings, PlainTcp, run_data_plane_bench
-from kvring.common.hashing import DEFAULT_CHUNK_SIZE
 from kvring.bench.e2e import MODES, _plot, _table
+from kvring.common.hashing import DEFAULT_CHUNK_SIZE
 
 
 def _leftovers() -> tuple[set[int], set[str]]:

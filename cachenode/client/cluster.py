@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from kvring.common import protocol as P
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
-from kvring.common.errors import KVRingError, NodeUnavailable
+from kvring.common.errors import KVRingError
 from kvring.common.records import NodeRecord
 from kvring.common.ring import HashRing
 from kvring.membership.settings import EtcdSettings

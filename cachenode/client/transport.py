@@ -113,6 +113,13 @@ class Connection:
                     out[0] = head[sent:]
                     sent = 0
 
+    def stale(self) -> bool:
+        """An idle connection with something to read has been closed (or broken) by the node:
+        nothing else arrives unasked."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
     def close(self) -> None:
         self.sock.close()
 
@@ -133,10 +140,15 @@ class NodeLink:
         self.closed = False
 
     def acquire(self) -> Connection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return Connection(self.node_id, self.host, self.port, self.connect_timeout)
+        """An idle connection that is still open, or a new one (raises ``NodeUnavailable``)."""
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return Connection(self.node_id, self.host, self.port, self.connect_timeout)
+            if not conn.stale():
+                return conn
+            conn.close()  # the node closed it (it restarted, or it dropped an idle client)
 
     def release(self, conn: Connection) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvring.common.contract import Contract
-from kvring.common.errors import KVRingError, NodeUnavailable, NoOwners
+from kvring.common.errors import KVRingError, NodeUnavailable
 from kvring.common.protocol import MAX_KEYS_PER_REQUEST
 from kvring.common.records import NodeRecord
 from kvring.common.ring import HashRing

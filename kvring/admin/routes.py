@@ -8,15 +8,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvring.common.errors import MembershipError, NoOwners
 from kvring.common.hashing import chained_hashes
-from kvring.common.types import LEFT_RING_STATES
 from kvring.common.protocol import MAX_KEY_BYTES
+from kvring.common.types import LEFT_RING_STATES
 from kvring.connector.keys import KeyScope, KVLayout, MMSpan, request_keys
 
 from .auth import require_token
 from .cluster import ClusterHandle, states_of
 from .metrics import AdminMetrics
 from .models import (
-    ChunkView, ClusterInfo, ContractView, DrainView, FlushView, Health, LookupIn, LookupView, NodesView, NodeView,
+    ChunkView,
+    ClusterInfo,
+    ContractView,
+    DrainView,
+    FlushView,
+    Health,
+    LookupIn,
+    LookupView,
+    NodesView,
+    NodeView,
     OwnersView,
 )
 from .settings import AdminSettings

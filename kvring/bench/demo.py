@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvring.local.cluster import LocalCluster
 from kvring.bench.report import grouped_bars, write_outputs
+from kvring.local.cluster import LocalCluster
 
 
 def workload(prefix_tokens: int, suffix_tokens: int, count: int, seed: int = 0) -> list[list[int]]:

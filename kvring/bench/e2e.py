@@ -37,8 +37,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvring.bench.dataplane import ChunkSpec, PlainTcp, RawZmq
-from kvring.local.cluster import LocalCluster
 from kvring.bench.report import grouped_bars, write_outputs
+from kvring.local.cluster import LocalCluster
 
 MODES = ("layerwise", "bulk", "async")
 

@@ -43,8 +43,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvring.local.cluster import LocalCluster
 from kvring.bench.report import grouped_bars, write_outputs
+from kvring.local.cluster import LocalCluster
 
 ENGINES = ("no connector", "kvring")  # the JSON's and the table's names for the two instances
 COUNTERS = ("scheduler_hook_seconds", "lookups", "lookups_past_deadline", "lookup_errors", "queried_tokens",

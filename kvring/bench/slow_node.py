@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvring.local.cluster import LocalCluster
 from kvring.bench.report import write_outputs
+from kvring.local.cluster import LocalCluster
 
 PHASES = ("healthy", "slowed", "recovered")
 STEP_TIMEOUT_S = 1800.0

@@ -34,14 +34,14 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvring.bench.report import write_outputs
 from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkItem
+from kvring.common.contract import Contract
 from kvring.common.errors import KVRingError
 from kvring.common.hashing import chained_hashes
-from kvring.common.contract import Contract
-from kvring.local.cluster import LocalCluster
-from kvring.bench.report import write_outputs
 from kvring.common.units import format_size
-from kvring.common.chunk import ChunkItem
+from kvring.local.cluster import LocalCluster
 
 logger = logging.getLogger(__name__)
 

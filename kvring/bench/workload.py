@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkItem
 from kvring.common.hashing import chained_hashes
 from kvring.common.units import format_size
-from kvring.common.chunk import ChunkItem
 
 # A small Llama-like layout: 6 layers x (K, V) x 256 tokens x 4 KV heads x 64 head_dim, bf16.
 LAYOUT = (6, 2, 256, 4, 64)

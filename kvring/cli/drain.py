@@ -24,9 +24,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from kvring.common.types import NodeState
 from kvring.common.errors import MembershipError
 from kvring.common.records import NodeRecord
+from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd
 from kvring.membership.settings import EtcdSettings
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -60,9 +59,9 @@ def node(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one cache node: the ZMQ data port, the HTTP admin port, and registration in etcd."""
+    from kvring.cachenode.node import NodeConfig, run_node
     from kvring.common.contract import Contract
     from kvring.membership.settings import EtcdSettings
-    from kvring.cachenode.node import NodeConfig, run_node
 
     _logging(verbose)
     try:
@@ -350,8 +349,8 @@ def drain(
     cancel: Annotated[bool, typer.Option("--cancel", help="Withdraw the drain request instead.")] = False,
 ) -> None:
     """Drain a node: it leaves the ring and hands every chunk to its new owners, then reports drained."""
-    from kvring.membership.settings import EtcdSettings
     from kvring.cli.drain import DrainFailed, drain_via_admin, drain_via_etcd
+    from kvring.membership.settings import EtcdSettings
 
     if (admin_url is None) == (etcd is None):
         raise typer.BadParameter("give either --admin URL (drain the node behind it) or --etcd with --node")

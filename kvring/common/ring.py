@@ -76,6 +76,8 @@ class HashRing:
         """``owners`` of many keys with one vectorised search."""
         if not self._ids:
             return [[] for _ in keys]
+        if len(self._ids) == 1:
+            return [[self._ids[0]] for _ in keys]
         idx = np.searchsorted(self._points, ring_positions(keys), side="left")
         if self.replication == 1 or len(self._ids) == 1:
             return [[self._ids[o]] for o in self._owners[idx % len(self._points)].tolist()]

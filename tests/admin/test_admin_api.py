@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from kvring.cachenode.store import ENTRY_OVERHEAD
 from kvring.admin import AdminSettings, create_app
 from kvring.cachenode.client import ClusterClient
-from kvring.membership.settings import EtcdSettings
+from kvring.cachenode.store import ENTRY_OVERHEAD
+from kvring.common.chunk import ChunkItem
 from kvring.connector.keys import KeyScope, KVLayout, request_keys
 from kvring.local.cluster import LocalCluster, free_port
-from kvring.common.chunk import ChunkItem
+from kvring.membership.settings import EtcdSettings
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

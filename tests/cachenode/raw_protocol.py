@@ -7,7 +7,7 @@ import socket
 import time
 
 from kvring.cachenode.client.transport import REPLY_LIMITS
-from kvring.cachenode.framing import ConnectionClosed, FrameReader, Message, pack
+from kvring.cachenode.framing import FrameReader, Message, pack
 from kvring.common import protocol as P
 
 

@@ -10,11 +10,10 @@ import psutil
 import pytest
 
 from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import DTYPE_SIZES, ChunkItem
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch
-from kvring.common.chunk import DTYPE_SIZES
 from kvring.local.cluster import LocalCluster, NodeProcess
-from kvring.common.chunk import ChunkItem
 
 MiB = 1 << 20
 
@@ -211,3 +210,23 @@ def test_contract_mismatch_is_refused_with_the_difference(cluster_factory):
         ClusterClient(cluster.etcd, cluster=cluster.cluster, contract=Contract(replication=3))
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, contract=Contract()) as ok:
         assert ok.wait_for_nodes(1, exact=True)
+
+
+def test_a_node_restarted_on_its_address_is_reached_at_once(cluster_factory):
+    """Pooled connections to a node that restarted (same address) are found closed and replaced:
+    the first request after the restart succeeds and the node is not marked failed."""
+    cluster = cluster_factory(nodes=1)
+    node = cluster.nodes[0]
+    keys = [os.urandom(16) for _ in range(32)]
+    data = np.arange(2048, dtype=np.uint8)
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+        assert client.wait_for_nodes(1)
+        assert client.put_many([ChunkItem.of(k, data, [2, 1024], "uint8", 4) for k in keys]) == [1] * 32
+        assert all(client.lookup(keys))  # the pool now holds an idle connection to the node
+        node.kill()
+        node.data_port = int(node.data_addr.rsplit(":", 1)[1])
+        node.start()
+        assert not any(client.lookup(keys))  # a fresh (empty) node, reached on the first try
+        assert client.marks.alive("node-0")
+        assert client.put_many([ChunkItem.of(k, data, [2, 1024], "uint8", 4) for k in keys]) == [1] * 32
+        assert all(c is not None and np.array_equal(c.data, data) for c in client.get(keys))

@@ -17,8 +17,6 @@ from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
 
 
-
-
 def _state(cluster, node_id: str) -> str | None:
     rec = cluster.etcd_run(lambda e: e.members())[0].get(node_id)
     return rec.state if rec is not None else None

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 from kvring.cachenode.client import ClusterClient
-from kvring.common.errors import RemoteError
 from kvring.cachenode.client.transport import next_rid
-from kvring.common import protocol as P
-from kvring.common.chunk import ChunkMeta, make_meta
 from kvring.cachenode.store import ENTRY_OVERHEAD, ChunkStore
-from kvring.common.chunk import ChunkItem
+from kvring.common import protocol as P
+from kvring.common.chunk import ChunkItem, ChunkMeta, make_meta
+from kvring.common.errors import RemoteError
 
 
 def _chunk(n: int, namespace: str = ""):

@@ -7,13 +7,12 @@ import os
 import msgspec
 import numpy as np
 import pytest
+from raw_protocol import RawConnection
 
 from kvring.cachenode.client import ClusterClient
-from kvring.common import protocol as P
 from kvring.cachenode.framing import ConnectionClosed, pack
+from kvring.common import protocol as P
 from kvring.common.chunk import ChunkItem, ChunkMeta, make_meta
-
-from raw_protocol import RawConnection
 
 MiB = 1 << 20
 

@@ -13,9 +13,9 @@ import msgspec
 import pytest
 
 import kvring.cachenode.store as store_module
-from kvring.common.chunk import ChunkMeta, make_meta
 from kvring.cachenode.policy import FIFOPolicy, LRUPolicy, make_policy
 from kvring.cachenode.store import ENTRY_OVERHEAD, ChunkStore, StoreFull
+from kvring.common.chunk import ChunkMeta, make_meta
 
 C = 100 + ENTRY_OVERHEAD  # what a 100-byte chunk is charged
 

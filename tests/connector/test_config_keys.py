@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from kvring.connector.config import ConnectorConfig
 from kvring.connector.adapters import AdapterIdentities
+from kvring.connector.config import ConnectorConfig
 from kvring.connector.keys import KeyScope, KVLayout, MMSpan, request_keys
 from kvring.connector.request_inputs import embed_digests, read_request
 

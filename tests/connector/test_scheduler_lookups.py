@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkItem
 from kvring.connector.admission import LoadCostModel
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.keys import KVLayout, request_keys
 from kvring.connector.scheduler import SchedulerSide
-from kvring.common.chunk import ChunkItem
 
 CHUNK = 256
 LAYOUT = KVLayout(model="tiny", config_fingerprint="f", kv_dtype="bfloat16", num_layers=2, num_kv_heads=2,

@@ -13,8 +13,8 @@ import shutil
 import numpy as np
 import pytest
 
-from kvring.local.cluster import LocalCluster
 from kvring.engine.run import run_instance, write_random_lora, write_tiny_llama
+from kvring.local.cluster import LocalCluster
 
 CHUNK = 256
 

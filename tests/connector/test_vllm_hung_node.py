@@ -12,8 +12,8 @@ import pytest
 
 from kvring.cachenode.client import ClusterClient
 from kvring.connector.keys import request_keys
-from kvring.local.cluster import LocalCluster
 from kvring.engine.run import layout_of, run_instance, write_tiny_llama
+from kvring.local.cluster import LocalCluster
 
 CHUNK = 256
 DEADLINE_MS = 500.0
