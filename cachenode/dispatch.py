@@ -138,9 +138,10 @@ class Dispatcher:
         if len(keys) > P.MAX_KEYS_PER_REQUEST:
             raise ProtocolError(f"{len(keys)} keys in one request; the maximum is {P.MAX_KEYS_PER_REQUEST}",
                                 ErrorCode.TOO_MANY_KEYS)
-        for key in keys:
-            if not 0 < len(key) <= P.MAX_KEY_BYTES:
-                raise ProtocolError(f"keys must be 1..{P.MAX_KEY_BYTES} bytes, got {len(key)}", ErrorCode.BAD_KEY)
+        lengths = set(map(len, keys))
+        if lengths and (min(lengths) < 1 or max(lengths) > P.MAX_KEY_BYTES):
+            bad = next(n for n in lengths if not 0 < n <= P.MAX_KEY_BYTES)
+            raise ProtocolError(f"keys must be 1..{P.MAX_KEY_BYTES} bytes, got {bad}", ErrorCode.BAD_KEY)
 
     # ---- operations -------------------------------------------------------------------------
 

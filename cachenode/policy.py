@@ -32,6 +32,11 @@ class EvictionPolicy(ABC):
     def accessed(self, key: bytes) -> None:
         """``key`` (stored) was read or looked up."""
 
+    def accessed_many(self, keys: list[bytes]) -> None:
+        """``accessed`` of each of ``keys`` (all stored), in order."""
+        for key in keys:
+            self.accessed(key)
+
     def candidates(self) -> Iterator[bytes]:
         """Keys in the order they should be evicted (the store may skip leased ones).
 
@@ -45,11 +50,19 @@ class LRUPolicy(EvictionPolicy):
     def accessed(self, key: bytes) -> None:
         self._table[key] = self._table.pop(key)  # back in at the most recent end
 
+    def accessed_many(self, keys: list[bytes]) -> None:
+        table = self._table
+        for key in keys:
+            table[key] = table.pop(key)
+
 
 class FIFOPolicy(EvictionPolicy):
     """Oldest insert first; reads do not refresh (for comparison in trace replays)."""
 
     def accessed(self, key: bytes) -> None:
+        pass
+
+    def accessed_many(self, keys: list[bytes]) -> None:
         pass
 
 

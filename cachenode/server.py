@@ -1,6 +1,6 @@
-"""The node's data-protocol server: one thread, one ``selectors`` loop, many connections.
+"""The node's data-protocol server: one thread, one ``epoll`` loop, many connections.
 
-Threading contract: ``serve_forever`` runs on the node's I/O thread, and everything here (the
+Threading contract: ``serve_forever`` (an ``epoll`` loop) runs on the node's I/O thread, and everything here (the
 connections, the handler it calls, the store behind it) is owned by that thread.  Other
 threads reach it only through ``call`` (run a function on the loop and wait for its result)
 and ``stop``; both wake the loop through a socket pair.
@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
-import selectors
+import select
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -51,7 +50,7 @@ class Connection:
         self.queued = 0  # bytes in ``out``
         self.streams: deque[Iterator[Frames]] = deque()
         self.closing = False  # close once ``out`` is written (after a framing error)
-        self.events = selectors.EVENT_READ  # what the selector watches for
+        self.events = select.EPOLLIN  # what the loop watches for
 
 
 class Server:
@@ -63,15 +62,16 @@ class Server:
         self.listener = socket.create_server((host, port), backlog=512, reuse_port=False)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        self.epoll = select.epoll()
+        self.epoll.register(self.listener.fileno(), select.EPOLLIN)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self.sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self.epoll.register(self._wake_r.fileno(), select.EPOLLIN)
         self._calls: deque[tuple[Callable, Future]] = deque()
-        self._stop = threading.Event()
+        self._stopping = False
         self.conns: set[Connection] = set()
+        self._by_fd: dict[int, Connection] = {}
         self._streaming: deque[Connection] = deque()
         # Called with the connection and the error before the connection is closed (the node
         # answers with the error's code there).
@@ -87,7 +87,7 @@ class Server:
         return fut.result(timeout)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping = True
         self._wake()
 
     def _wake(self) -> None:
@@ -99,25 +99,27 @@ class Server:
     # ---- the loop -------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
+        listener, wake, by_fd = self.listener.fileno(), self._wake_r.fileno(), self._by_fd
         try:
-            while not self._stop.is_set():
-                timeout = 0 if self._runnable() else 0.5
-                for key, mask in self.sel.select(timeout):
-                    if key.fileobj is self.listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        self._run_calls()
-                    else:
-                        conn = key.data
-                        if mask & selectors.EVENT_WRITE:
+            while not self._stopping:
+                timeout = 0 if self._streaming and self._runnable() else 0.5
+                for fd, mask in self.epoll.poll(timeout):
+                    conn = by_fd.get(fd)
+                    if conn is not None:
+                        if mask & select.EPOLLOUT:
                             self._flush(conn)
-                        if mask & selectors.EVENT_READ and conn in self.conns:
+                        if mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and conn in self.conns:
                             self._read(conn)
-                self._run_streams()
+                    elif fd == listener:
+                        self._accept()
+                    elif fd == wake:
+                        self._run_calls()
+                if self._streaming:
+                    self._run_streams()
         finally:
             for conn in list(self.conns):
                 self._close(conn)
-            self.sel.close()
+            self.epoll.close()
             self.listener.close()
             self._wake_r.close()
             self._wake_w.close()
@@ -139,7 +141,8 @@ class Server:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock, f"{addr[0]}:{addr[1]}", self.limits, self.allocate)
             self.conns.add(conn)
-            self.sel.register(sock, selectors.EVENT_READ, conn)
+            self._by_fd[sock.fileno()] = conn
+            self.epoll.register(sock.fileno(), select.EPOLLIN)
 
     def _run_calls(self) -> None:
         try:
@@ -178,6 +181,18 @@ class Server:
 
     def send(self, conn: Connection, frames: Frames) -> None:
         """Queue one framed message (header and payloads) and write what the socket takes now."""
+        if not conn.out and len(frames) == 1 and conn in self.conns:  # a small reply: straight out
+            data = frames[0]
+            try:
+                sent = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._close(conn)
+                return
+            if sent == len(data):
+                return
+            frames = [memoryview(data)[sent:]]
         _enqueue(conn, frames)
         self._flush(conn)
 
@@ -234,19 +249,21 @@ class Server:
             return
         # Reading pauses while the replies already queued are not taken (a client that sends
         # requests and never reads the answers holds a bounded queue, then nothing more).
-        events = (selectors.EVENT_WRITE if out else 0) | (
-            selectors.EVENT_READ if conn.queued < SEND_WATERMARK and not conn.closing else 0)
+        events = (select.EPOLLOUT if out else 0) | (
+            select.EPOLLIN if conn.queued < SEND_WATERMARK and not conn.closing else 0)
         if events != conn.events and conn in self.conns:
             conn.events = events
-            self.sel.modify(conn.sock, events, conn)
+            self.epoll.modify(conn.sock.fileno(), events)
 
     def _close(self, conn: Connection) -> None:
         if conn not in self.conns:
             return
         self.conns.discard(conn)
+        fd = conn.sock.fileno()
+        self._by_fd.pop(fd, None)
         try:
-            self.sel.unregister(conn.sock)
-        except (KeyError, ValueError):
+            self.epoll.unregister(fd)
+        except (OSError, ValueError):
             pass
         conn.sock.close()
         conn.out.clear()

@@ -194,10 +194,10 @@ class ChunkStore:
     def lookup(self, keys: list[bytes], lease_ms: int = 0) -> list[bool]:
         """Presence of each key; present ones count as used and are leased for ``lease_ms``
         within the bound."""
-        present = [key in self._entries for key in keys]
-        for key, hit in zip(keys, present):
-            if hit:  # a lookup is demand: the chunk is about to be loaded
-                self.policy.accessed(key)
+        entries = self._entries
+        present = [key in entries for key in keys]
+        # A lookup is demand: the chunks found are about to be loaded.
+        self.policy.accessed_many([key for key, hit in zip(keys, present) if hit])
         if lease_ms > 0 and any(present):
             now = self._clock()
             self._expire_leases(now)

@@ -94,6 +94,12 @@ class Reads:
             raise NoOwners(f"no active node in cluster {self.cluster!r}; is `kvring up` running?")
         groups: dict[str, list[int]] = defaultdict(list)
         alive = {n: self.marks.alive(n) and n in self.links for n in ring.nodes}
+        if all(alive.values()) and not any(skip):  # the common case: every key to its primary
+            if len(ring.nodes) == 1:
+                return {ring.nodes[0]: list(range(len(keys)))}
+            for i, node_id in enumerate(ring.primaries(keys)):
+                groups[node_id].append(i)
+            return groups
         for i, owners in enumerate(ring.owners_many(keys)):
             tried = skip[i] if skip else ()
             live = [n for n in owners if alive[n] and n not in tried]
@@ -112,7 +118,7 @@ class Reads:
     def lookup(self, keys: list[bytes], lease_ms: int) -> list[bool]:
         view = self.membership.view
         present = [False] * len(keys)
-        skip = [set() for _ in keys]
+        skip: list[set[str]] = [set()] * len(keys)  # replaced per key by a set of its own once one fails
         todo = list(range(len(keys)))
         for _ in range(self.replication):  # retry on the next owner after a failure
             todo = self._lookup_on(view.ring, keys, todo, lease_ms, present, skip)
@@ -144,7 +150,7 @@ class Reads:
                     logger.debug("lookup on %s failed: %s", event.node_id, event.error)
                     for rid in event.rids:
                         for i in asked.pop(rid, ()):
-                            skip[i].add(event.node_id)
+                            skip[i] = skip[i] | {event.node_id}
                             failed.append(i)
                     continue
                 idx = asked.pop(event.rid, ())

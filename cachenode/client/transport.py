@@ -72,7 +72,7 @@ class Failure:
 class Connection:
     """A non-blocking TCP connection to one node, with its reader and send queue."""
 
-    __slots__ = ("node_id", "sock", "reader", "out", "streamed", "outstanding", "heard")
+    __slots__ = ("node_id", "sock", "reader", "out", "streamed", "outstanding", "heard", "poller")
 
     def __init__(self, node_id: str, host: str, port: int, timeout: float) -> None:
         self.node_id = node_id
@@ -82,6 +82,8 @@ class Connection:
             raise NodeUnavailable(f"cannot connect to node {node_id} at {host}:{port}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setblocking(False)
+        self.poller = select.poll()  # this socket alone, for POLLIN (reused: one wait costs one syscall)
+        self.poller.register(self.sock.fileno(), select.POLLIN)
         self.reader = FrameReader(REPLY_LIMITS)
         self.out: deque[memoryview] = deque()
         self.outstanding: set[int] = set()  # rids without their last reply yet
@@ -116,9 +118,7 @@ class Connection:
     def stale(self) -> bool:
         """An idle connection with something to read has been closed (or broken) by the node:
         nothing else arrives unasked."""
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
+        return bool(self.poller.poll(0))
 
     def close(self) -> None:
         self.sock.close()
@@ -251,6 +251,7 @@ class Exchange:
 
     def events(self) -> Iterator[Reply | Failure]:
         """Pump the sockets until no request is outstanding; yield replies and failures."""
+        readable = False
         while True:
             while self._failed:
                 yield self._failed.popleft()
@@ -258,29 +259,37 @@ class Exchange:
             if not live:
                 return
             for conn in live:  # write first: requests go out before we wait
-                try:
-                    conn.write()
-                except ConnectionClosed as exc:
-                    self._break(conn, NodeUnavailable(f"node {conn.node_id}: {exc}"))
-            progressed = False
+                if conn.out:
+                    try:
+                        conn.write()
+                    except ConnectionClosed as exc:
+                        self._break(conn, NodeUnavailable(f"node {conn.node_id}: {exc}"))
             now = time.monotonic()
-            for conn in live:  # read what already arrived without waiting
-                yield from self._read(conn)
-                if conn.reader.received:  # the timeout bounds silence, not the length of a reply
-                    conn.heard, progressed = now, True
-            live = [c for c in self._conns.values() if c.outstanding or c.out]
-            if not live or self._failed or progressed:
-                continue
+            if readable:  # after a wake-up or a read that got bytes; not right after sending
+                progressed = False
+                for conn in live:
+                    yield from self._read(conn)
+                    if conn.reader.received:  # the timeout bounds silence, not the length of a reply
+                        conn.heard, progressed = now, True
+                if progressed:
+                    continue
+                live = [c for c in self._conns.values() if c.outstanding or c.out]
+                if not live or self._failed:
+                    continue
             silent = [c for c in live if now - c.heard >= self.timeout]
             for conn in silent:
                 self._break(conn, NodeUnavailable(f"node {conn.node_id} did not answer within {self.timeout:.1f}s"))
             if silent:
                 continue
             left = min(c.heard for c in live) + self.timeout - now
-            poller = select.poll()
-            for conn in live:
-                poller.register(conn.sock.fileno(), select.POLLIN | (select.POLLOUT if conn.out else 0))
+            if len(live) == 1 and not live[0].out:
+                poller = live[0].poller
+            else:
+                poller = select.poll()
+                for conn in live:
+                    poller.register(conn.sock.fileno(), select.POLLIN | (select.POLLOUT if conn.out else 0))
             poller.poll(left * 1000)  # the next turn writes and reads every live connection
+            readable = True
 
     def _read(self, conn: Connection) -> Iterator[Reply | Failure]:
         if self._conns.get(conn.node_id) is not conn:
