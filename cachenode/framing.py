@@ -32,7 +32,7 @@ from kvring.common.errors import ErrorCode, KVRingError
 MAGIC = b"KVR1"
 PREFIX = struct.Struct("<4sIHI")
 RECV_BUFFER = 256 << 10  # a reader's receive buffer: many small messages per recv
-_DIRECT = 64 << 10  # payloads above this are read straight into their own buffer
+_DIRECT = 64 << 10  # segments this large are read straight into a buffer of their own
 
 
 class FramingError(KVRingError):
@@ -136,18 +136,26 @@ class FrameReader:
                 return out
             # Fill the body's segments in order: from the buffer, then (for a large one) the socket.
             while len(self._parts) < len(self._sizes):
-                size = self._sizes[len(self._parts)]
+                index = len(self._parts)
+                size = self._sizes[index]
                 have = self._end - self._start
-                if have >= size:
+                if size >= _DIRECT:  # large: a buffer of its own, filled straight from the socket
+                    # (not zero-filled: every byte is read into it)
+                    target = self.allocate(size) if index else bytearray(size)
+                    n = min(have, size)
+                    target[:n] = self._view[self._start:self._start + n]
+                    self._start += n
+                    if n == size:
+                        self._parts.append(target)
+                        continue
+                    self._start = self._end = 0
+                    self._target, self._filled = target, n
+                    return out
+                if have >= size:  # small and all here: copied out of the receive buffer
                     self._parts.append(bytearray(self._view[self._start:self._start + size]))
                     self._start += size
                     continue
-                if size - have > _DIRECT or size > len(self._buf):
-                    target = self.allocate(size)  # not zero-filled: every byte is read into it
-                    target[:have] = self._view[self._start:self._end]
-                    self._start = self._end = 0
-                    self._target, self._filled = target, have
-                elif self._start + size > len(self._buf):
+                if self._start + size > len(self._buf):
                     self._compact()
                 return out
             header, *payloads = self._parts

@@ -41,7 +41,9 @@ class ClusterClient:
     against the cluster's record (``ContractMismatch`` names the difference); with ``None``
     the client adopts the recorded one.  ``timeout`` bounds how long a node may stay silent
     while a request waits on it; a node that times out is skipped for ``failure_backoff``
-    seconds.  ``verify`` checks every layer's checksum on read.
+    seconds.  ``verify`` checks every layer's checksum on read.  Buffers of large payloads
+    read (up to ``buffer_pool_bytes``) are reused once the caller has dropped every view of
+    them, so reads do not pay for fresh memory each time.
     """
 
     def __init__(
@@ -56,11 +58,12 @@ class ClusterClient:
         handoff_window: float = 120.0,
         verify: bool = True,
         lookup_threads: int = 4,
+        buffer_pool_bytes: int = 256 << 20,
     ) -> None:
         self.settings = etcd if isinstance(etcd, EtcdSettings) else EtcdSettings.parse(etcd, cluster=cluster)
         self.timeout = timeout
         self.marks = FailureMarks(failure_backoff)
-        self.links = Links(connect_timeout=timeout)
+        self.links = Links(connect_timeout=timeout, buffer_pool_bytes=buffer_pool_bytes)
         self._closed = False
         self.membership = Membership(self.settings, contract, poll_interval, handoff_window, self._members_changed)
         self._lookups = concurrent.futures.ThreadPoolExecutor(lookup_threads, thread_name_prefix="kvring-lookup")

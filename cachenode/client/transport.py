@@ -32,6 +32,7 @@ import msgspec
 from kvring.common import protocol as P
 from kvring.common.errors import NodeUnavailable, RemoteError, remote_error
 
+from ..buffers import BufferPool
 from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, pack
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Connection:
 
     __slots__ = ("node_id", "sock", "reader", "out", "streamed", "outstanding", "heard", "poller")
 
-    def __init__(self, node_id: str, host: str, port: int, timeout: float) -> None:
+    def __init__(self, node_id: str, host: str, port: int, timeout: float, buffers: BufferPool) -> None:
         self.node_id = node_id
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
@@ -84,7 +85,7 @@ class Connection:
         self.sock.setblocking(False)
         self.poller = select.poll()  # this socket alone, for POLLIN (reused: one wait costs one syscall)
         self.poller.register(self.sock.fileno(), select.POLLIN)
-        self.reader = FrameReader(REPLY_LIMITS)
+        self.reader = FrameReader(REPLY_LIMITS, allocate=buffers.take)
         self.out: deque[memoryview] = deque()
         self.outstanding: set[int] = set()  # rids without their last reply yet
         self.streamed: set[int] = set()  # those whose reply is a stream (GET)
@@ -127,7 +128,7 @@ class Connection:
 class NodeLink:
     """One node's address and its idle connections (shared by threads)."""
 
-    def __init__(self, node_id: str, data_addr: str, connect_timeout: float) -> None:
+    def __init__(self, node_id: str, data_addr: str, connect_timeout: float, buffers: BufferPool) -> None:
         host, _, port = data_addr.removeprefix("tcp://").rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"node {node_id}: data address {data_addr!r} is not tcp://host:port")
@@ -135,6 +136,7 @@ class NodeLink:
         self.data_addr = data_addr
         self.host, self.port = host.strip("[]"), int(port)
         self.connect_timeout = connect_timeout
+        self.buffers = buffers
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self.closed = False
@@ -145,7 +147,7 @@ class NodeLink:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return Connection(self.node_id, self.host, self.port, self.connect_timeout)
+                return Connection(self.node_id, self.host, self.port, self.connect_timeout, self.buffers)
             if not conn.stale():
                 return conn
             conn.close()  # the node closed it (it restarted, or it dropped an idle client)
@@ -168,8 +170,10 @@ class NodeLink:
 class Links:
     """Every member's ``NodeLink``, replaced as membership changes."""
 
-    def __init__(self, connect_timeout: float) -> None:
+    def __init__(self, connect_timeout: float, buffer_pool_bytes: int) -> None:
         self.connect_timeout = connect_timeout
+        # Large payload buffers handed to callers, reused once they drop them (see ``BufferPool``).
+        self.buffers = BufferPool(buffer_pool_bytes, lend=True)
         self._links: dict[str, NodeLink] = {}
         self._lock = threading.Lock()
 
@@ -189,7 +193,7 @@ class Links:
             for node_id, addr in addresses.items():
                 if node_id not in links:
                     try:
-                        links[node_id] = NodeLink(node_id, addr, self.connect_timeout)
+                        links[node_id] = NodeLink(node_id, addr, self.connect_timeout, self.buffers)
                     except ValueError as exc:
                         logger.warning("ignoring member: %s", exc)
             self._links = links

@@ -45,3 +45,20 @@ def test_the_store_hands_evicted_and_deleted_payloads_to_the_pool():
     assert pool.reused == 1 and reused[0] == 0  # the evicted chunk's buffer
     assert store.delete(bytes([1]) * 16) and pool.bytes == MIN_POOLED
     assert store.get(bytes([2]) * 16).buf[0] == 2  # stored payloads are never handed out
+
+
+def test_a_lending_pool_reuses_what_its_callers_dropped():
+    pool = BufferPool(limit=2 * MIN_POOLED, lend=True)
+    first = pool.take(MIN_POOLED)
+    second = pool.take(MIN_POOLED)
+    assert first is not second and pool.bytes == 2 * MIN_POOLED
+    third = pool.take(MIN_POOLED)  # both still held by the caller; the pool is full: a fresh one
+    assert third is not first and third is not second and pool.reused == 0 and pool.bytes == 2 * MIN_POOLED
+    first_id = id(first)
+    del first
+    again = pool.take(MIN_POOLED)
+    assert id(again) == first_id and pool.reused == 1
+    view = memoryview(again)[:8]
+    del again
+    assert id(pool.take(MIN_POOLED)) != first_id  # a view of it is still alive
+    del view
