@@ -62,7 +62,23 @@ class BufferPool:
                         self.bytes -= size
                         return free.pop(i)
             buf = np.empty(size, dtype=np.uint8)
-            if self.lend and size >= MIN_POOLED and self.bytes + size <= self.limit:
+            if self.lend and size >= MIN_POOLED and self._room_for(size):
                 self._free.setdefault(size, []).append(buf)
                 self.bytes += size
             return buf
+
+    def _room_for(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit, dropping idle buffers of other sizes to make room (the
+        sizes a client reads change with what it reads)."""
+        for other in list(self._free):
+            if self.bytes + size <= self.limit:
+                break
+            if other == size:
+                continue
+            keep = [b for b in self._free[other] if sys.getrefcount(b) > 3]  # list, loop variable, argument
+            self.bytes -= other * (len(self._free[other]) - len(keep))
+            if keep:
+                self._free[other] = keep
+            else:
+                del self._free[other]
+        return self.bytes + size <= self.limit

@@ -62,3 +62,15 @@ def test_a_lending_pool_reuses_what_its_callers_dropped():
     del again
     assert id(pool.take(MIN_POOLED)) != first_id  # a view of it is still alive
     del view
+
+
+def test_a_full_lending_pool_makes_room_for_a_new_size_from_idle_buffers():
+    pool = BufferPool(limit=4 * MIN_POOLED, lend=True)
+    held = pool.take(2 * MIN_POOLED)  # still in use by its caller
+    pool.take(2 * MIN_POOLED)  # dropped at once: idle
+    assert pool.bytes == 4 * MIN_POOLED
+    small = [pool.take(MIN_POOLED) for _ in range(2)]  # the idle one goes, the held one stays
+    assert pool.bytes == 4 * MIN_POOLED and all(b.nbytes == MIN_POOLED for b in small)
+    held_id = id(held)
+    del held
+    assert id(pool.take(2 * MIN_POOLED)) == held_id  # still pooled: reused once its caller let go
