@@ -20,8 +20,11 @@ resynchronised after it, so the connection is closed.
 
 from __future__ import annotations
 
+import itertools
+import os
 import socket
 import struct
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +36,7 @@ MAGIC = b"KVR1"
 PREFIX = struct.Struct("<4sIHI")
 RECV_BUFFER = 256 << 10  # a reader's receive buffer: many small messages per recv
 _DIRECT = 64 << 10  # segments this large are read straight into a buffer of their own
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 
 
 class FramingError(KVRingError):
@@ -72,6 +76,50 @@ def pack(header: bytes, payloads: Sequence = ()) -> list:
     n = len(payloads)
     lengths = struct.pack(f"<{n}Q", *(memoryview(p).nbytes for p in payloads)) if n else b""
     return [PREFIX.pack(MAGIC, len(header), n, 0) + lengths + header, *payloads]
+
+
+class SendQueue:
+    """Buffers waiting to go out on one non-blocking socket: views, never copies."""
+
+    __slots__ = ("views", "bytes")
+
+    def __init__(self) -> None:
+        self.views: deque[memoryview] = deque()
+        self.bytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.views)
+
+    def add(self, frames: Sequence) -> None:
+        for buf in frames:
+            view = memoryview(buf).cast("B")
+            if view.nbytes:
+                self.views.append(view)
+                self.bytes += view.nbytes
+
+    def write(self, sock: socket.socket) -> None:
+        """Write what the socket takes now (``sendmsg``); raises ``ConnectionClosed``."""
+        views = self.views
+        while views:
+            try:
+                sent = sock.sendmsg(list(itertools.islice(views, _IOV_MAX)))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                raise ConnectionClosed(f"send failed: {exc}") from None
+            self.bytes -= sent
+            while sent:
+                head = views[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    views.popleft()
+                else:
+                    views[0] = head[sent:]
+                    sent = 0
+
+    def clear(self) -> None:
+        self.views.clear()
+        self.bytes = 0
 
 
 class FrameReader:

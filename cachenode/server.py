@@ -17,7 +17,6 @@ looks at the sockets again: no request holds the loop for long, however large it
 from __future__ import annotations
 
 import logging
-import os
 import select
 import socket
 import time
@@ -25,14 +24,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-from .framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, Message, pack
+from .framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, Message, SendQueue, pack
 
 logger = logging.getLogger(__name__)
 
 SEND_WATERMARK = 4 << 20  # bytes queued on a connection before its streams pause
 SLICE_SECONDS = 0.005  # a streaming connection's share of one loop turn
 MAX_CONNECTIONS = 4096
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 Frames = list  # the buffers of one framed message (see ``framing.pack``)
 
@@ -40,14 +38,13 @@ Frames = list  # the buffers of one framed message (see ``framing.pack``)
 class Connection:
     """One client connection: its reader, its send queue and its streamed replies."""
 
-    __slots__ = ("sock", "peer", "reader", "out", "queued", "streams", "closing", "events")
+    __slots__ = ("sock", "peer", "reader", "out", "streams", "closing", "events")
 
     def __init__(self, sock: socket.socket, peer: str, limits: FrameLimits, allocate) -> None:
         self.sock = sock
         self.peer = peer
         self.reader = FrameReader(limits, allocate=allocate)
-        self.out: deque[memoryview] = deque()
-        self.queued = 0  # bytes in ``out``
+        self.out = SendQueue()
         self.streams: deque[Iterator[Frames]] = deque()
         self.closing = False  # close once ``out`` is written (after a framing error)
         self.events = select.EPOLLIN  # what the loop watches for
@@ -193,7 +190,7 @@ class Server:
             if sent == len(data):
                 return
             frames = [memoryview(data)[sent:]]
-        _enqueue(conn, frames)
+        conn.out.add(frames)
         self._flush(conn)
 
     def send_message(self, conn: Connection, header: bytes, payloads=()) -> None:
@@ -206,7 +203,7 @@ class Server:
             self._streaming.append(conn)
 
     def _runnable(self) -> bool:
-        return any(c.queued < SEND_WATERMARK for c in self._streaming)
+        return any(c.out.bytes < SEND_WATERMARK for c in self._streaming)
 
     def _run_streams(self) -> None:
         """Give each streaming connection below its watermark one slice of production."""
@@ -215,42 +212,30 @@ class Server:
             if conn not in self.conns or not conn.streams:
                 continue
             deadline = time.perf_counter() + SLICE_SECONDS
-            while conn.streams and conn.queued < SEND_WATERMARK and time.perf_counter() < deadline:
+            while conn.streams and conn.out.bytes < SEND_WATERMARK and time.perf_counter() < deadline:
                 frames = next(conn.streams[0], None)
                 if frames is None:
                     conn.streams.popleft()
                     continue
-                _enqueue(conn, frames)
+                conn.out.add(frames)
             self._flush(conn)
             if conn.streams and conn in self.conns:
                 self._streaming.append(conn)
 
     def _flush(self, conn: Connection) -> None:
         out = conn.out
-        while out:
-            try:
-                sent = conn.sock.sendmsg(list(_first(out, _IOV_MAX)))
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._close(conn)
-                return
-            conn.queued -= sent
-            while sent:
-                head = out[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    out.popleft()
-                else:
-                    out[0] = head[sent:]
-                    sent = 0
+        try:
+            out.write(conn.sock)
+        except ConnectionClosed:
+            self._close(conn)
+            return
         if not out and conn.closing:
             self._close(conn)
             return
         # Reading pauses while the replies already queued are not taken (a client that sends
         # requests and never reads the answers holds a bounded queue, then nothing more).
         events = (select.EPOLLOUT if out else 0) | (
-            select.EPOLLIN if conn.queued < SEND_WATERMARK and not conn.closing else 0)
+            select.EPOLLIN if out.bytes < SEND_WATERMARK and not conn.closing else 0)
         if events != conn.events and conn in self.conns:
             conn.events = events
             self.epoll.modify(conn.sock.fileno(), events)
@@ -268,19 +253,3 @@ class Server:
         conn.sock.close()
         conn.out.clear()
         conn.streams.clear()
-        conn.queued = 0
-
-
-def _enqueue(conn: Connection, frames: Frames) -> None:
-    for buf in frames:
-        view = memoryview(buf).cast("B")
-        if view.nbytes:
-            conn.out.append(view)
-            conn.queued += view.nbytes
-
-
-def _first(items: deque, n: int) -> Iterator:
-    for i, item in enumerate(items):
-        if i == n:
-            return
-        yield item

@@ -33,7 +33,7 @@ from kvring.common import protocol as P
 from kvring.common.errors import NodeUnavailable, RemoteError, remote_error
 
 from ..buffers import BufferPool
-from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, pack
+from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, SendQueue, pack
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 REPLY_LIMITS = FrameLimits(max_header=256 << 20, max_payloads=P.MAX_KEYS_PER_REQUEST, max_payload=16 << 30,
                            max_total=64 << 30)
 MAX_IDLE = 8  # idle connections kept per node
-_IOV_MAX = 1024
 _rids = itertools.count(1)
 
 
@@ -86,35 +85,10 @@ class Connection:
         self.poller = select.poll()  # this socket alone, for POLLIN (reused: one wait costs one syscall)
         self.poller.register(self.sock.fileno(), select.POLLIN)
         self.reader = FrameReader(REPLY_LIMITS, allocate=buffers.take)
-        self.out: deque[memoryview] = deque()
+        self.out = SendQueue()
         self.outstanding: set[int] = set()  # rids without their last reply yet
         self.streamed: set[int] = set()  # those whose reply is a stream (GET)
         self.heard = 0.0  # monotonic time of the last bytes received (or of the first request)
-
-    def queue(self, frames: list) -> None:
-        for buf in frames:
-            view = memoryview(buf).cast("B")
-            if view.nbytes:
-                self.out.append(view)
-
-    def write(self) -> None:
-        """Write what the socket takes now (raises ``ConnectionClosed``)."""
-        out = self.out
-        while out:
-            try:
-                sent = self.sock.sendmsg(list(itertools.islice(out, _IOV_MAX)))
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                raise ConnectionClosed(f"send failed: {exc}") from None
-            while sent:
-                head = out[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    out.popleft()
-                else:
-                    out[0] = head[sent:]
-                    sent = 0
 
     def stale(self) -> bool:
         """An idle connection with something to read has been closed (or broken) by the node:
@@ -234,7 +208,7 @@ class Exchange:
             except NodeUnavailable as exc:
                 self._failed.append(Failure(node_id, [msg.rid], exc))
                 return msg.rid
-        conn.queue(pack(P.encode(msg), payloads))
+        conn.out.add(pack(P.encode(msg), payloads))
         if not conn.outstanding:
             conn.heard = time.monotonic()
         conn.outstanding.add(msg.rid)
@@ -265,7 +239,7 @@ class Exchange:
             for conn in live:  # write first: requests go out before we wait
                 if conn.out:
                     try:
-                        conn.write()
+                        conn.out.write(conn.sock)
                     except ConnectionClosed as exc:
                         self._break(conn, NodeUnavailable(f"node {conn.node_id}: {exc}"))
             now = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -230,3 +231,33 @@ def test_a_node_restarted_on_its_address_is_reached_at_once(cluster_factory):
         assert client.marks.alive("node-0")
         assert client.put_many([ChunkItem.of(k, data, [2, 1024], "uint8", 4) for k in keys]) == [1] * 32
         assert all(c is not None and np.array_equal(c.data, data) for c in client.get(keys))
+
+
+def test_a_hung_node_times_out_to_its_replica_and_its_late_replies_are_never_read(cluster_factory):
+    """SIGSTOP, not a crash: the node's connections stay open and silent.  Reads fail over after
+    ``timeout``; when the node wakes, what it still sends on the abandoned connections is never
+    read as the answer to a later request (those connections were closed)."""
+    cluster = cluster_factory(nodes=2, contract=Contract(replication=2), lease_ttl=30)
+    rng = np.random.default_rng(4)
+    data = {os.urandom(16): rng.integers(0, 256, size=8192, dtype=np.uint8) for _ in range(64)}
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=0.5, failure_backoff=60) as client:
+        assert client.wait_for_nodes(2)
+        assert client.put_many([ChunkItem.of(k, v, [8, 1024], "uint8", 8) for k, v in data.items()]) == [2] * 64
+        keys = list(data)
+        victim = cluster.nodes[0]
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert client.lookup(keys) == [True] * 64
+            got = client.get(keys)
+            assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(keys, got))
+            assert time.monotonic() - t0 < 5
+            assert not client.marks.alive("node-0")
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        client.marks.forgive("node-0")
+        for _ in range(5):  # node-0 answers again, on fresh connections, with the right bytes
+            got = client.get(keys)
+            assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(keys, got))
+            assert client.lookup(keys) == [True] * 64
+        assert client.ping("node-0") < 5
