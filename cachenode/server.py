@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-from .framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, Message, SendQueue, pack
+from .framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, Message, SendQueue
 
 logger = logging.getLogger(__name__)
 
@@ -192,9 +192,6 @@ class Server:
             frames = [memoryview(data)[sent:]]
         conn.out.add(frames)
         self._flush(conn)
-
-    def send_message(self, conn: Connection, header: bytes, payloads=()) -> None:
-        self.send(conn, pack(header, payloads))
 
     def stream(self, conn: Connection, messages: Iterator[Frames]) -> None:
         """Send a generator's messages as the connection takes them (see the module docstring)."""

@@ -217,9 +217,6 @@ class Exchange:
         self._rid_conn[msg.rid] = conn
         return msg.rid
 
-    def outstanding(self) -> bool:
-        return bool(self._failed) or any(c.outstanding for c in self._conns.values())
-
     def finish(self, rid: int) -> None:
         """The caller needs nothing more of a streamed request (its last reply, or an abandon)."""
         conn = self._rid_conn.pop(rid, None)
