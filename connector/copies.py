@@ -2,7 +2,7 @@
 
 The worker side moves KV in two directions, one layer at a time:
 
-- loads: a chunk's layer arrives as a read-only ZMQ frame (``[tokens, H, C]``, token-major) and
+- loads: a chunk's layer arrives as a frame read from the socket (``[tokens, H, C]``, token-major) and
   is written into the layer's paged cache (``[blocks, H, block_size, C]``) through the request's
   slot mapping;
 - saves: a layer's new-chunk slots are gathered out of the paged cache into the chunk's

@@ -4,8 +4,9 @@ Pure functions from a validated ``ClusterSpec`` to plain dicts (no owner referen
 handlers add those).  Memory rule: the node's cache budget is ``memoryPerNode`` (``--memory``,
 bytes of chunk payload); the pod's memory request and limit are both
 ``budget x 1.25 + 256Mi`` (rounded up to a MiB).  256Mi covers the process itself (measured at
-~70 MiB: interpreter, libzmq, NumPy, the admin server); the 25% covers bytes in flight that
-the store does not count yet (frames being received, handoff buffers) and allocator slack.
+~70 MiB: interpreter, NumPy, the admin server); the 25% covers the freed payload buffers a
+node keeps for reuse (at most an eighth of the budget), bytes in flight that the store does not
+count yet (frames being received, handoff buffers) and allocator slack.
 Request = limit keeps the pods in the Guaranteed class for memory, so a busy neighbour cannot
 get them evicted.
 """

@@ -44,7 +44,7 @@ def node(
     cluster: ClusterOpt = "default",
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     advertise_host: Annotated[str | None, typer.Option(help="Address others reach this node at.")] = None,
-    data_port: Annotated[int, typer.Option(help="ZMQ data port (0: any free port).")] = 0,
+    data_port: Annotated[int, typer.Option(help="TCP port of the data protocol (0: any free port).")] = 0,
     admin_port: Annotated[int, typer.Option(help="HTTP port for /healthz /readyz /metrics (0: any).")] = 0,
     max_chunk_bytes: Annotated[str | None, typer.Option(help="Largest chunk accepted [default: 256MiB or --memory if less].")] = None,
     policy: Annotated[str, typer.Option(help="Eviction policy: lru or fifo.")] = "lru",

@@ -1,4 +1,4 @@
-"""Real etcd, real node processes over ZMQ, the real cluster client."""
+"""Real etcd, real node processes over loopback TCP, the real cluster client."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def test_etcd_outage_keeps_data_plane_up_and_nodes_reregister():
 
 def test_putting_twice_the_budget_stays_within_budget_and_evicts_lru(cluster_factory):
     budget = 64 * MiB
-    overhead = 160 * MiB  # stated fixed overhead of a node process (interpreter, zmq, numpy, buffers)
+    overhead = 160 * MiB  # stated fixed overhead of a node process (interpreter, numpy, buffers, payload pool)
     cluster = cluster_factory(nodes=1, memory=budget)
     node = psutil.Process(cluster.nodes[0].pid)
     chunk = MiB
