@@ -144,6 +144,8 @@ class ChunkStore:
         """Store a chunk; False if the key is already stored. Raises ``StoreFull``."""
         if key in self._entries:
             self.policy.accessed(key)
+            if self.recycle is not None:  # the copy already stored stays; this one's buffer can serve again
+                self.recycle(buf)
             return False
         charge = _charge(buf)
         if charge > self.capacity:

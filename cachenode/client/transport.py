@@ -32,7 +32,7 @@ import msgspec
 from kvring.common import protocol as P
 from kvring.common.errors import NodeUnavailable, RemoteError, remote_error
 
-from ..buffers import BufferPool
+from ..buffers import SlabPool
 from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, SendQueue, pack
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Connection:
 
     __slots__ = ("node_id", "sock", "reader", "out", "streamed", "outstanding", "heard", "poller")
 
-    def __init__(self, node_id: str, host: str, port: int, timeout: float, buffers: BufferPool) -> None:
+    def __init__(self, node_id: str, host: str, port: int, timeout: float, buffers: SlabPool) -> None:
         self.node_id = node_id
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
@@ -102,7 +102,7 @@ class Connection:
 class NodeLink:
     """One node's address and its idle connections (shared by threads)."""
 
-    def __init__(self, node_id: str, data_addr: str, connect_timeout: float, buffers: BufferPool) -> None:
+    def __init__(self, node_id: str, data_addr: str, connect_timeout: float, buffers: SlabPool) -> None:
         host, _, port = data_addr.removeprefix("tcp://").rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"node {node_id}: data address {data_addr!r} is not tcp://host:port")
@@ -146,8 +146,8 @@ class Links:
 
     def __init__(self, connect_timeout: float, buffer_pool_bytes: int) -> None:
         self.connect_timeout = connect_timeout
-        # Large payload buffers handed to callers, reused once they drop them (see ``BufferPool``).
-        self.buffers = BufferPool(buffer_pool_bytes, lend=True)
+        # Where large payloads handed to callers are read into, reused once they drop them.
+        self.buffers = SlabPool(buffer_pool_bytes)
         self._links: dict[str, NodeLink] = {}
         self._lock = threading.Lock()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvring.cachenode.buffers import MIN_POOLED, BufferPool
+from kvring.cachenode.buffers import MIN_POOLED, SLAB, BufferPool, SlabPool
 from kvring.cachenode.store import ChunkStore
 from kvring.common.chunk import make_meta
 
@@ -47,30 +47,45 @@ def test_the_store_hands_evicted_and_deleted_payloads_to_the_pool():
     assert store.get(bytes([2]) * 16).buf[0] == 2  # stored payloads are never handed out
 
 
-def test_a_lending_pool_reuses_what_its_callers_dropped():
-    pool = BufferPool(limit=2 * MIN_POOLED, lend=True)
-    first = pool.take(MIN_POOLED)
-    second = pool.take(MIN_POOLED)
-    assert first is not second and pool.bytes == 2 * MIN_POOLED
-    third = pool.take(MIN_POOLED)  # both still held by the caller; the pool is full: a fresh one
-    assert third is not first and third is not second and pool.reused == 0 and pool.bytes == 2 * MIN_POOLED
-    first_id = id(first)
-    del first
-    again = pool.take(MIN_POOLED)
-    assert id(again) == first_id and pool.reused == 1
-    view = memoryview(again)[:8]
+def test_a_duplicate_puts_buffer_goes_to_the_pool_and_the_stored_copy_stays():
+    pool = BufferPool(limit=1 << 30)
+    store = ChunkStore(1 << 20, recycle=pool.give)
+    first, again = pool.take(MIN_POOLED), pool.take(MIN_POOLED)
+    first[:], again[:] = 1, 2
+    key = b"k" * 16
+    assert store.put(key, make_meta(first, [1, MIN_POOLED], "uint8", 1), first)
+    assert not store.put(key, make_meta(again, [1, MIN_POOLED], "uint8", 1), again)
+    assert pool.bytes == MIN_POOLED and store.get(key).buf[0] == 1
     del again
-    assert id(pool.take(MIN_POOLED)) != first_id  # a view of it is still alive
-    del view
+    assert pool.take(MIN_POOLED)[0] == 2 and pool.reused == 1  # the next PUT is read into it
 
 
-def test_a_full_lending_pool_makes_room_for_a_new_size_from_idle_buffers():
-    pool = BufferPool(limit=4 * MIN_POOLED, lend=True)
-    held = pool.take(2 * MIN_POOLED)  # still in use by its caller
-    pool.take(2 * MIN_POOLED)  # dropped at once: idle
-    assert pool.bytes == 4 * MIN_POOLED
-    small = [pool.take(MIN_POOLED) for _ in range(2)]  # the idle one goes, the held one stays
-    assert pool.bytes == 4 * MIN_POOLED and all(b.nbytes == MIN_POOLED for b in small)
-    held_id = id(held)
-    del held
-    assert id(pool.take(2 * MIN_POOLED)) == held_id  # still pooled: reused once its caller let go
+def test_a_slab_is_carved_again_once_every_payload_in_it_is_dropped():
+    pool = SlabPool(limit=2 * SLAB)
+    first = pool.take(MIN_POOLED)
+    second = pool.take(3 * MIN_POOLED)  # another size, the same slab, right after the first
+    assert first.base is second.base and pool.bytes == SLAB
+    start = first.__array_interface__["data"][0]
+    assert second.__array_interface__["data"][0] == start + MIN_POOLED
+    view = memoryview(second)[:8]  # as a caller still holding a layer's view does
+    del first, second
+    other = pool.take(MIN_POOLED)  # the slab is not idle: carved on from where it was
+    assert other.__array_interface__["data"][0] == start + 4 * MIN_POOLED and pool.reused == 0
+    del other, view
+    again = pool.take(2 * MIN_POOLED)  # every payload dropped: carved again from its start
+    assert again.__array_interface__["data"][0] == start and pool.reused == 1 and pool.bytes == SLAB
+
+
+def test_the_slab_pool_is_bounded_and_makes_room_from_idle_slabs():
+    pool = SlabPool(limit=2 * SLAB + MIN_POOLED)
+    held = [pool.take(SLAB // 2) for _ in range(4)]  # two slabs, both in use
+    assert pool.bytes == 2 * SLAB
+    extra = pool.take(SLAB // 2)  # full and nothing idle: memory of its own, outside the pool
+    assert all(extra.base is not h.base for h in held) and pool.bytes == 2 * SLAB
+    del held[2:], extra  # the second slab is idle now
+    big = pool.take(SLAB + MIN_POOLED)  # larger than a slab: the idle one goes to make room
+    assert big.nbytes == SLAB + MIN_POOLED and pool.bytes == 2 * SLAB + MIN_POOLED
+    assert big.base.nbytes == SLAB + MIN_POOLED
+    del big
+    small = pool.take(MIN_POOLED)  # any idle slab large enough serves any size
+    assert small.base.nbytes == SLAB + MIN_POOLED and pool.reused == 1
