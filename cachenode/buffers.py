@@ -102,6 +102,16 @@ class SlabPool:
         self._current: _Slab | None = None
         self._lock = threading.Lock()
 
+    def reserve(self, nbytes: int) -> None:
+        """Map slabs of ``nbytes`` in all (within the limit) now, so that the first reads do not
+        pay the page faults (a serving process's start-up, as a pinned staging pool would be)."""
+        with self._lock:
+            while self.bytes < nbytes and self.bytes + self.slab <= self.limit:
+                slab = _Slab(self.slab)
+                slab.buf.fill(0)  # touch every page
+                self._slabs.append(slab)
+                self.bytes += self.slab
+
     def take(self, size: int) -> np.ndarray:
         """A uint8 buffer of ``size`` bytes (contents undefined), carved from a slab if one has room."""
         if size < MIN_POOLED:
@@ -126,8 +136,8 @@ class SlabPool:
         """An idle slab other than the current one, large enough; carved from its start."""
         for slab in self._slabs:
             if slab is not self._current and slab.buf.nbytes >= size and slab.idle():
+                self.reused += slab.used > 0
                 slab.used = 0
-                self.reused += 1
                 return slab
         return None
 

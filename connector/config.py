@@ -56,6 +56,10 @@ class ConnectorConfig:
     # Your name for the model's weights (checkpoint step, revision), folded into every key:
     # instances serving other weights under the same model name never share chunks.
     weights_version: str = ""
+    # MiB of receive memory the worker maps when it starts: loads are read into it and it is
+    # reused from load to load, so not even the first load pays the page faults of fresh memory
+    # (a streamed load cycles through about 64 MiB whatever its size; 0: map on demand).
+    receive_buffer_mb: int = 64
     # Tokens per chunk; must equal the cluster's (None: take the cluster's).
     chunk_size: int | None = None
     # Append one JSON line per load (chunks, bytes, seconds) to this file ("": off);
@@ -71,6 +75,9 @@ class ConnectorConfig:
                              "(kv_connector_extra_config 'load_mode' or KVRING_LOAD_MODE)")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive seconds, got {self.timeout} (KVRING_TIMEOUT)")
+        if not 0 <= self.receive_buffer_mb <= 1 << 20:
+            raise ValueError(f"receive_buffer_mb must be 0..{1 << 20} MiB, got {self.receive_buffer_mb} "
+                             "(KVRING_RECEIVE_BUFFER_MB)")
         if self.lookup_lease_ms < 0:
             raise ValueError(f"lookup_lease_ms must be >= 0, got {self.lookup_lease_ms} (KVRING_LOOKUP_LEASE_MS)")
         for name in ("lookup_deadline_ms", "lookup_wait_ms", "load_deadline_ms"):

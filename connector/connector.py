@@ -82,6 +82,7 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._scheduler = None
             self._worker = WorkerSide(self.config, self.client, chunk, block_size)
+            self.client.reserve_buffers(self.config.receive_buffer_mb << 20)
         logger.info("KVRingConnector (%s) on cluster %r, chunk %d tokens, %s loads", role.name, self.config.cluster,
                     chunk, self.config.load_mode)
 

@@ -41,9 +41,10 @@ class ClusterClient:
     against the cluster's record (``ContractMismatch`` names the difference); with ``None``
     the client adopts the recorded one.  ``timeout`` bounds how long a node may stay silent
     while a request waits on it; a node that times out is skipped for ``failure_backoff``
-    seconds.  ``verify`` checks every layer's checksum on read.  Buffers of large payloads
-    read (up to ``buffer_pool_bytes``) are reused once the caller has dropped every view of
-    them, so reads do not pay for fresh memory each time.
+    seconds.  ``verify`` checks every layer's checksum on read.  Large payloads are read into
+    slabs (up to ``buffer_pool_bytes``) that are reused once the caller has dropped every view
+    of them, so reads do not pay for fresh memory each time (``reserve_buffers`` maps them
+    ahead).
     """
 
     def __init__(
@@ -112,6 +113,11 @@ class ClusterClient:
     def wait_for_nodes(self, count: int, timeout: float = 10.0, exact: bool = False) -> bool:
         """Block until the ring has ``count`` nodes (at least, or exactly)."""
         return self.membership.wait_for_nodes(count, timeout, exact)
+
+    def reserve_buffers(self, nbytes: int) -> None:
+        """Map ``nbytes`` of the receive buffers now (within ``buffer_pool_bytes``), so the first
+        reads run at the speed of later ones instead of paying page faults (a server's start-up)."""
+        self.links.buffers.reserve(nbytes)
 
     def close(self) -> None:
         if self._closed:

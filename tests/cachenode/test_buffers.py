@@ -89,3 +89,13 @@ def test_the_slab_pool_is_bounded_and_makes_room_from_idle_slabs():
     del big
     small = pool.take(MIN_POOLED)  # any idle slab large enough serves any size
     assert small.base.nbytes == SLAB + MIN_POOLED and pool.reused == 1
+
+
+def test_reserved_slabs_are_mapped_ahead_and_serve_the_first_reads():
+    pool = SlabPool(limit=3 * SLAB)
+    pool.reserve(SLAB + 1)  # rounded up to whole slabs
+    assert pool.bytes == 2 * SLAB
+    a, b = pool.take(SLAB), pool.take(SLAB)  # no new slab: the reserved ones
+    assert pool.bytes == 2 * SLAB and a.base is not b.base and pool.reused == 0
+    pool.reserve(100 * SLAB)
+    assert pool.bytes == 3 * SLAB  # never past the limit
