@@ -30,7 +30,7 @@ import msgspec
 
 from kvring.common import protocol as P
 from kvring.common.contract import Contract
-from kvring.common.errors import ContractMismatch
+from kvring.common.errors import ContractMismatch, NodeIdTaken
 from kvring.common.records import NodeRecord
 from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.membership.settings import EtcdSettings
@@ -127,8 +127,8 @@ class CacheNode:
             return
         self.registration = Registration(self.config.etcd, self.record, self.config.contract,
                                          self.config.lease_ttl, self.drain, self.config.drain_poll)
-        self.registration.on_fatal = self._contract_lost
-        self.registration.start()  # raises ContractMismatch
+        self.registration.on_fatal = self._registration_lost
+        self.registration.start()  # raises ContractMismatch or NodeIdTaken
         if self.config.handoff:
             self.handoff = Handoff(self.config.node_id, self.config.etcd, self.config.contract,
                                    state=lambda: self.record.state, held=lambda: len(self.store),
@@ -138,7 +138,7 @@ class CacheNode:
                 self.handoff.reset_drain()
             self.handoff.start()
 
-    def _contract_lost(self) -> None:
+    def _registration_lost(self) -> None:
         self.fatal = self.registration.fatal
         self.server.stop()
 
@@ -148,7 +148,10 @@ class CacheNode:
             self.registration.set_state(state)
 
     def ready(self) -> bool:
-        registered = self.config.etcd is None or (self.registration is not None and self.registration.registered)
+        """Serving: registered once (clients can find it) and not leaving the ring.  etcd going
+        away later does not make a node unready: it keeps serving, and clients keep its ring."""
+        registered = self.config.etcd is None or (
+            self.registration is not None and self.registration.registrar.registrations > 0)
         return registered and self.record.state not in LEFT_RING_STATES
 
     def stop(self) -> None:
@@ -203,7 +206,7 @@ def run_node(config: NodeConfig) -> int:
     node = CacheNode(config)
     try:
         node.start_background()
-    except ContractMismatch as exc:
+    except (ContractMismatch, NodeIdTaken) as exc:
         logger.error("%s", exc)
         print(f"error: {exc}", flush=True)
         return 2

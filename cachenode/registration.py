@@ -1,5 +1,9 @@
 """A node's side of membership: its record in etcd under a lease, and its drain key.
 
+The node id is fenced (see ``kvring.membership.registrar``): a record already holding it is
+a running node if that node's data port answers PING under the id (``answers_as``); then this
+node refuses to start, else it takes the record over.
+
 Threading contract: one daemon thread runs an asyncio loop with the ``Registrar`` (keeps the
 record alive, re-registers after etcd outages) and a watcher of the node's drain key (a point
 read every ``drain_poll`` seconds, turned into ``Drain.request``/``cancel``).  Other threads
@@ -12,8 +16,11 @@ import asyncio
 import logging
 import threading
 
+import msgspec
+
+from kvring.common import protocol as P
 from kvring.common.contract import Contract
-from kvring.common.errors import ContractMismatch, MembershipError
+from kvring.common.errors import ContractMismatch, MembershipError, NodeIdTaken
 from kvring.common.records import NodeRecord
 from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd
@@ -21,8 +28,31 @@ from kvring.membership.registrar import Registrar
 from kvring.membership.settings import EtcdSettings
 
 from .drain import Drain
+from .framing import MAGIC, PREFIX, pack
 
 logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 1.0  # how long a node holding our id has to answer PING
+
+
+async def answers_as(record: NodeRecord, timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether the node at ``record``'s data address answers PING as ``record.node_id``."""
+    host, _, port = record.data_addr.removeprefix("tcp://").rpartition(":")
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except (OSError, TimeoutError, ValueError):
+        return False
+    try:
+        writer.write(b"".join(pack(P.encode(P.Ping(rid=1)))))
+        magic, header_len, count, _ = PREFIX.unpack(await asyncio.wait_for(reader.readexactly(PREFIX.size), timeout))
+        if magic != MAGIC or count or header_len > 4096:
+            return False
+        reply = P.decode_reply(await asyncio.wait_for(reader.readexactly(header_len), timeout))
+        return isinstance(reply, P.Pong) and reply.node_id == record.node_id
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    finally:
+        writer.close()
 
 
 class Registration:
@@ -32,9 +62,10 @@ class Registration:
         self.drain = drain
         self.drain_poll = drain_poll
         self.etcd = Etcd(settings)
-        self.registrar = Registrar(self.etcd, record, contract, ttl=ttl)
+        self.registrar = Registrar(self.etcd, record, contract, ttl=ttl, holder_alive=answers_as)
         self.node_id = record.node_id
-        self.fatal: str | None = None  # a contract mismatch: the node must stop
+        self.fatal: str | None = None  # a contract mismatch, or the node id held by another node: stop
+        self._fatal_error: Exception | None = None
         self.on_fatal = lambda: None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
@@ -44,12 +75,13 @@ class Registration:
         return self.registrar.registered.is_set()
 
     def start(self) -> None:
-        """Start the thread; returns after the first registration attempt (or a mismatch)."""
+        """Start the thread; returns after the first registration attempt.  Raises
+        ``ContractMismatch`` or ``NodeIdTaken`` (the node must not serve)."""
         ready = threading.Event()
         threading.Thread(target=self._thread, args=(ready,), name="kvring-etcd", daemon=True).start()
-        ready.wait(self.settings.timeout * 3 + 1)
+        ready.wait(self.settings.timeout * 3 + PROBE_TIMEOUT * 3 + 1)
         if self.fatal:
-            raise ContractMismatch(self.fatal)
+            raise self._fatal_error
 
     def set_state(self, state: NodeState) -> None:
         try:
@@ -96,16 +128,16 @@ class Registration:
             logger.info("node %s registered in etcd as %s", self.node_id, self.registrar.record.data_addr)
         except MembershipError as exc:
             logger.warning("etcd unreachable at start (%s); serving anyway, will register when it is back", exc)
-        except ContractMismatch as exc:
-            self.fatal = str(exc)
+        except (ContractMismatch, NodeIdTaken) as exc:
+            self.fatal, self._fatal_error = str(exc), exc
             ready.set()
             return
         ready.set()
         watcher = asyncio.ensure_future(self._watch_drain_key(Etcd(self.settings)))
         try:
             await self.registrar.run()
-        except ContractMismatch as exc:
-            self.fatal = str(exc)
+        except (ContractMismatch, NodeIdTaken) as exc:
+            self.fatal, self._fatal_error = str(exc), exc
             logger.error("%s", exc)
             self.on_fatal()
         finally:

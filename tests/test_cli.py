@@ -91,3 +91,12 @@ def test_node_http_endpoints(cluster_factory):
     with urllib.request.urlopen(admin + "/stats", timeout=5) as r:
         stats = json.loads(r.read())
     assert stats["node_id"] == "node-0" and stats["capacity"] == 16 << 20 and stats["registered"]
+
+
+def test_ring_of_a_cluster_that_does_not_exist_says_so_in_one_line(etcd_server):
+    out = subprocess.run([*KVRING, "ring", "--etcd", etcd_server.endpoint, "--cluster", "no-such-cluster"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"error: cluster 'no-such-cluster' has no contract in etcd at {etcd_server.endpoint} after 0s: none of its "
+        "nodes has started (start them first, e.g. `kvring up`), or the cluster name is wrong"]

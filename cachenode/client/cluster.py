@@ -39,9 +39,11 @@ class ClusterClient:
 
     ``etcd`` is ``"host:port[,host:port]"`` or ``EtcdSettings``.  ``contract`` is checked
     against the cluster's record (``ContractMismatch`` names the difference); with ``None``
-    the client adopts the recorded one.  ``timeout`` bounds how long a node may stay silent
-    while a request waits on it; a node that times out is skipped for ``failure_backoff``
-    seconds.  ``verify`` checks every layer's checksum on read.  Large payloads are read into
+    the client adopts the recorded one, waiting up to ``contract_wait`` seconds for the
+    cluster's first node to record it (never a default; a contract that later changes in etcd
+    turns reads into misses and writes into no-ops).  ``timeout`` bounds how long a node may
+    stay silent while a request waits on it; a node that times out is skipped for
+    ``failure_backoff`` seconds.  ``verify`` checks every layer's checksum on read.  Large payloads are read into
     slabs (up to ``buffer_pool_bytes``) that are reused once the caller has dropped every view
     of them, so reads do not pay for fresh memory each time (``reserve_buffers`` maps them
     ahead).
@@ -60,16 +62,18 @@ class ClusterClient:
         verify: bool = True,
         lookup_threads: int = 4,
         buffer_pool_bytes: int = 256 << 20,
+        contract_wait: float = 30.0,
     ) -> None:
         self.settings = etcd if isinstance(etcd, EtcdSettings) else EtcdSettings.parse(etcd, cluster=cluster)
         self.timeout = timeout
         self.marks = FailureMarks(failure_backoff)
         self.links = Links(connect_timeout=timeout, buffer_pool_bytes=buffer_pool_bytes)
         self._closed = False
-        self.membership = Membership(self.settings, contract, poll_interval, handoff_window, self._members_changed)
+        self.membership = Membership(self.settings, contract, poll_interval, handoff_window, self._members_changed,
+                                     contract_wait)
         self._lookups = concurrent.futures.ThreadPoolExecutor(lookup_threads, thread_name_prefix="kvring-lookup")
         try:
-            self.membership.start(timeout=self.settings.timeout * 4 + 2)
+            self.membership.start(timeout=self.settings.timeout * 4 + 2 + contract_wait)
         except BaseException:
             self.close()
             raise

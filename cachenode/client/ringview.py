@@ -10,6 +10,12 @@ After a ring change the old ring stays in the view as ``prev_ring`` for ``handof
 seconds: a key missed on its new owner is looked for on its previous owner, so moving
 ownership does not turn into a burst of misses.  If etcd goes away the client keeps routing
 with the last view it had.
+
+The contract is never a default: a client given none waits (up to ``contract_wait`` seconds)
+for the cluster's first node to record it, and fails with a clear error if none does.  Every
+poll reads it again: gone (etcd lost its data) keeps the one in use -- the nodes write it back --
+and a different one sets ``conflict``, which turns every read into a miss and every write into
+a no-op (the connector recomputes) until the process restarts with the cluster's contract.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvring.common.contract import Contract
-from kvring.common.errors import MembershipError
+from kvring.common.errors import ContractMismatch, MembershipError
 from kvring.common.records import NodeRecord
 from kvring.common.ring import HashRing
 from kvring.membership.etcd import Etcd
@@ -71,9 +77,12 @@ class Membership:
     """Follows a cluster's members in etcd (see the module docstring)."""
 
     def __init__(self, settings: EtcdSettings, contract: Contract | None, poll_interval: float,
-                 handoff_window: float, on_members: Callable[[dict[str, NodeRecord]], None]) -> None:
+                 handoff_window: float, on_members: Callable[[dict[str, NodeRecord]], None],
+                 contract_wait: float = 30.0) -> None:
         self.settings = settings
         self.contract = contract
+        self.contract_wait = contract_wait
+        self.conflict: str | None = None  # how the recorded contract differs from the one in use
         self.poll_interval = poll_interval
         self.handoff_window = handoff_window
         self.on_members = on_members  # called (on the membership thread) before a new view is published
@@ -97,17 +106,59 @@ class Membership:
 
     async def _start(self) -> None:
         if self.contract is None:
-            self.contract = await self._etcd.read_contract() or Contract()
+            self.contract = await self._wait_for_contract()
         else:
             self.contract = await self._etcd.ensure_contract(self.contract)
         await self._refresh()
         self._poller = asyncio.ensure_future(self._poll())
+
+    async def _wait_for_contract(self) -> Contract:
+        deadline = time.monotonic() + self.contract_wait
+        waiting = False
+        while True:
+            try:
+                recorded = await self._etcd.read_contract()
+            except MembershipError:
+                if time.monotonic() >= deadline:
+                    raise
+                recorded = None
+            if recorded is not None:
+                if waiting:
+                    logger.info("cluster %r: contract recorded: %s", self.settings.cluster, recorded)
+                return recorded
+            if time.monotonic() >= deadline:
+                raise MembershipError(
+                    f"cluster {self.settings.cluster!r} has no contract in etcd at {','.join(self.settings.endpoints)} "
+                    f"after {self.contract_wait:.0f}s: none of its nodes has started (start them first, e.g. "
+                    "`kvring up`), or the cluster name is wrong")
+            if not waiting:
+                waiting = True
+                logger.warning("cluster %r has no contract in etcd yet (its first node records it); waiting up "
+                               "to %.0fs", self.settings.cluster, self.contract_wait)
+            await asyncio.sleep(0.25)
+
+    async def _check_contract(self) -> None:
+        recorded = await self._etcd.read_contract()
+        if recorded is None:  # etcd lost its data: the nodes write it back
+            return
+        diff = self.contract.differences(recorded)
+        conflict = "; ".join(diff) if diff else None
+        if conflict != self.conflict:
+            if conflict:
+                logger.error("%s", ContractMismatch(
+                    f"the contract of cluster {self.settings.cluster!r} changed in etcd ({conflict}); every read "
+                    "is a miss and every write is dropped until this process restarts with it"))
+            else:
+                logger.warning("cluster %r: the recorded contract matches this process's again",
+                               self.settings.cluster)
+        self.conflict = conflict
 
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.poll_interval)
             try:
                 await self._refresh()
+                await self._check_contract()
             except MembershipError as exc:
                 if self.etcd_ok:
                     logger.warning("etcd unreachable (%s); routing with the last ring (epoch %d)",

@@ -41,6 +41,8 @@ class Writes:
         if not ring.nodes:
             raise NoOwners(f"no active node in cluster {self.cluster!r}; is `kvring up` running?")
         stored = [0] * len(items)
+        if self.membership.conflict:  # the cluster's contract changed: store nothing under ours
+            return stored
         errors: list[KVRingError] = []
         asked: dict[int, int] = {}
         with Exchange(self.links, self.timeout) as ex:

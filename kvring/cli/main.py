@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -180,7 +181,7 @@ def ring(
     from kvring.cachenode.client import ClusterClient
 
     console = Console()
-    with ClusterClient(etcd, cluster=cluster) as client:
+    with ClusterClient(etcd, cluster=cluster, contract_wait=0) as client:  # inspecting: no wait for a contract
         r = client.ring
         shares = r.shares()
         stats = client.stats()
@@ -421,6 +422,12 @@ def admin(
 
 
 def main() -> None:
-    app()
+    from kvring.common.errors import KVRingError
+
+    try:
+        app()
+    except KVRingError as exc:  # a cluster that cannot be reached or used: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 

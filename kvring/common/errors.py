@@ -68,6 +68,10 @@ class ContractMismatch(KVRingError):
     """This process's cluster contract differs from the one recorded in etcd."""
 
 
+class NodeIdTaken(KVRingError):
+    """Another live node holds this node id in the cluster (registration is fenced)."""
+
+
 class MembershipError(KVRingError):
     """etcd could not be reached or answered unexpectedly."""
 

@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aetcd
 import msgspec
@@ -39,6 +40,15 @@ from kvring.common.records import NodeRecord
 from .settings import EtcdSettings, check_node_id
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a node id in etcd: its record (None if unreadable) and the lease it is under."""
+
+    record: NodeRecord | None
+    lease: int
+    mod_revision: int
 
 
 class Etcd:
@@ -128,6 +138,31 @@ class Etcd:
                 continue
             out[rec.node_id] = rec
         return out, rng.header.revision
+
+    async def claim_node(self, record: NodeRecord, lease_id: int, replacing: Holder | None = None) -> Holder | None:
+        """Write ``record`` under ``lease_id`` if its node id is free -- or, with ``replacing``,
+        if the record is still exactly what ``replacing`` saw (one transaction either way).
+        Returns None once written, else the current holder."""
+        key = self.settings.key("nodes", check_node_id(record.node_id))
+        value = msgspec.json.encode(record)
+
+        async def txn(c: aetcd.Client):
+            t = c.transactions
+            unchanged = t.version(key) == 0 if replacing is None else t.mod(key) == replacing.mod_revision
+            return await c.transaction(compare=[unchanged], success=[t.put(key, value, lease=lease_id)],
+                                       failure=[t.get(key)])
+
+        written, responses = await self.call(txn)
+        if written:
+            return None
+        if not responses[0]:  # deleted in between: free, as of revision 0
+            return Holder(None, 0, 0)
+        raw, meta = responses[0][0]
+        try:
+            holder = msgspec.json.decode(raw, type=NodeRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            holder = None
+        return Holder(holder, meta.lease, meta.mod_revision)
 
     async def request_drain(self, node_id: str) -> None:
         """Ask ``node_id`` to hand off its chunks and leave the ring (idempotent)."""
