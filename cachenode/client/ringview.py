@@ -88,6 +88,7 @@ class Membership:
         self.on_members = on_members  # called (on the membership thread) before a new view is published
         self.view = RingView(HashRing({}, epoch=0))
         self.etcd_ok = False
+        self.etcd_lost = False  # etcd answers but holds nothing of the cluster (lost its data)
         self.changed = threading.Condition()
         self._etcd = Etcd(settings)
         self._loop = asyncio.new_event_loop()
@@ -171,6 +172,15 @@ class Membership:
         old = self.view
         if members == old.members:
             return
+        if not members and await self._etcd.read_contract() is None:
+            # Not a cluster whose nodes all left (their contract stays): an etcd that lost its
+            # data.  The nodes re-register within their lease TTL; until then, the last ring.
+            if not self.etcd_lost:
+                logger.warning("etcd has no record of cluster %r (its data lost?); routing with the last ring "
+                               "(epoch %d) until the nodes register again", self.settings.cluster, old.ring.epoch)
+            self.etcd_lost = True
+            return
+        self.etcd_lost = False
         weights = {n: r.capacity for n, r in members.items() if r.on_ring}
         ring = HashRing(weights, vnodes=self.contract.vnodes, replication=self.contract.replication, epoch=revision)
         prev_ring, prev_until = old.prev_ring, old.prev_until

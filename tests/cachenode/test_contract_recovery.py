@@ -108,13 +108,21 @@ def test_etcd_wiped_the_contract_comes_back_and_nodes_stay_ready_while_it_is_dow
             time.sleep(ttl + 2)
             assert all(_ready(n.admin_addr) == 200 for n in cluster.nodes)
             assert all(client.lookup([it.key for it in _items(20, b"a")]))
-            # Its data lost: an empty etcd on the same port.
+            # Its data lost: an empty etcd on the same port.  The client keeps its ring meanwhile
+            # (an empty etcd is not a cluster whose nodes all left).
             shutil.rmtree(etcd.data_dir)
             wiped = time.monotonic()
             etcd.start()
+            rings = []
+            watcher = threading.Thread(target=lambda: [rings.append(len(client.ring)) or time.sleep(0.05)
+                                                       for _ in range(60)])
+            watcher.start()
             recorded = _wait(lambda: _etcd(cluster, lambda e: e.read_contract()), ttl + 5, "the contract back")
             assert recorded == REAL and time.monotonic() - wiped <= ttl + 5
             _wait(lambda: len((_etcd(cluster, lambda e: e.members()) or ({},))[0]) == 2, ttl + 5, "both nodes back")
+            assert client.wait_for_nodes(2, timeout=5, exact=True)
+            watcher.join()
+            assert min(rings) >= 1, rings  # never an empty ring while the nodes re-registered
             assert client.contract == REAL and client.membership.conflict is None
             assert all(client.put_many(_items(20, b"b")))
             assert all(client.lookup([it.key for it in _items(20, b"b")]))
