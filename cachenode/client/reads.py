@@ -5,8 +5,9 @@ requests) and may be called from many threads at once; shared state is only the 
 ``Membership`` view (read once per call) and the ``FailureMarks``.
 
 Routing: each key goes to its first live owner on the ring (``replication`` distinct nodes,
-primary first), one request per node, all nodes in parallel.  A node that fails is marked and
-its keys are retried on their next owner.  After a ring change, a key missed on its new owner
+primary first), one request per node, all nodes in parallel.  A key that owner does not hold
+(it restarted empty, or evicted it) or that fails there is asked of its next owner, and so on
+through its owners; a node that fails is marked.  After a ring change, a key missed on its new owner
 is looked for on its owner in the previous ring.  GET verifies the XXH3 checksum of every layer
 it receives; a mismatch is a miss of that key (it is never returned) and the corrupt copy is
 deleted, so the next save can store a good one.
@@ -122,7 +123,7 @@ class Reads:
             return present
         skip: list[set[str]] = [set()] * len(keys)  # replaced per key by a set of its own once one fails
         todo = list(range(len(keys)))
-        for _ in range(self.replication):  # retry on the next owner after a failure
+        for _ in range(self.replication):  # on a miss or a failure, the next owner
             todo = self._lookup_on(view.ring, keys, todo, lease_ms, present, skip)
             if not todo:
                 break
@@ -140,7 +141,7 @@ class Reads:
                    skip: list[set[str]]) -> list[int]:
         groups = self.route(ring, [keys[i] for i in todo], [skip[i] for i in todo])
         asked: dict[int, list[int]] = {}
-        failed: list[int] = []
+        again: list[int] = []  # keys to ask of their next owner
         with Exchange(self.links, self.timeout) as ex:
             for node_id, local in groups.items():
                 idx = [todo[j] for j in local]
@@ -153,12 +154,16 @@ class Reads:
                     for rid in event.rids:
                         for i in asked.pop(rid, ()):
                             skip[i] = skip[i] | {event.node_id}
-                            failed.append(i)
+                            again.append(i)
                     continue
                 idx = asked.pop(event.rid, ())
                 for i, hit in zip(idx, event.msg.present):
-                    present[i] = present[i] or hit
-        return failed
+                    if hit:
+                        present[i] = True
+                    else:  # not there: its next owner may hold it
+                        skip[i] = skip[i] | {event.node_id}
+                        again.append(i)
+        return again
 
     def locate(self, keys: list[bytes]) -> list[list[str]]:
         """Which nodes hold each key: every owner on the current ring (and, right after a ring
@@ -219,7 +224,9 @@ class Reads:
                 groups = self.route(ring, [r.key for r in todo], [r.tried for r in todo])
             batches = {node_id: [todo[j] for j in local] for node_id, local in groups.items()}
             yield from self._round(batches, ring.epoch, start, end, stream, found)
-            todo = [r for r in reads.values() if not r.done and not r.missing] if pin is None else []
+            # Failed keys, and missing ones that an owner not asked yet may hold, go round again.
+            todo = [r for r in reads.values() if not r.done and (not r.missing or set(ring.owners(r.key)) - r.tried)
+                    ] if pin is None else []
             prev = view.previous() if pin is None else None
             if not todo and not used_prev and prev is not None:
                 moved = [r for r in reads.values() if r.missing and not r.done

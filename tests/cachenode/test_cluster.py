@@ -261,3 +261,36 @@ def test_a_hung_node_times_out_to_its_replica_and_its_late_replies_are_never_rea
             assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(keys, got))
             assert client.lookup(keys) == [True] * 64
         assert client.ping("node-0") < 5
+
+
+def test_a_chunk_missing_on_its_primary_is_found_and_read_on_its_replica(cluster_factory):
+    """Replication protects: a primary that does not hold a chunk (restarted empty, or evicted
+    it) is a miss there, not a miss of the cluster -- lookups, GETs and streamed GETs go on to
+    the next owner, and a lookup's lease lands where the chunk is."""
+    from kvring.cachenode.client.transport import next_rid
+    from kvring.common import protocol as P
+
+    cluster = cluster_factory(nodes=3, contract=Contract(replication=2))
+    rng = np.random.default_rng(11)
+    items = [ChunkItem.of(os.urandom(16), rng.integers(0, 256, 4096, dtype=np.uint8), [2, 2048], "uint8", 16)
+             for _ in range(30)]
+    keys = [it.key for it in items]
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        client.wait_for_nodes(3)
+        assert client.put_many(items) == [2] * 30
+        for key in keys:  # gone from every primary
+            assert client.request(client.owners(key)[0], P.Delete(rid=next_rid(), keys=[key])).deleted == 1
+        assert client.lookup(keys, lease_ms=30_000) == [True] * 30
+        leased = {n: s["leased_bytes"] for n, s in client.stats().items()}
+        assert sum(leased.values()) >= 30 * 4096  # on the replicas, which hold them
+        got = client.get(keys)
+        assert all(c is not None and np.array_equal(c.data, it.payload) for c, it in zip(got, items))
+        layers = {}
+        for batch in client.iter_layers(keys):
+            for i, view in zip(batch.indices, batch.views):
+                layers[i, batch.layer] = bytes(view)
+        assert layers == {(i, layer): it.payload[layer * 2048:(layer + 1) * 2048].tobytes()
+                          for i, it in enumerate(items) for layer in range(2)}
+        client.delete(keys[:3])  # on no owner now: a miss
+        assert client.lookup(keys[:4]) == [False, False, False, True]
+        assert client.get(keys[:4])[:3] == [None] * 3
