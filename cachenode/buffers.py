@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -38,36 +39,46 @@ _ALIGN = 64  # carved payloads start on a cache line
 
 
 class BufferPool:
-    """The node's freed payload buffers, reused by exact size (see the module docstring)."""
+    """The node's freed payload buffers, reused by exact size (see the module docstring).
+
+    Full, it lets the buffers freed longest ago go first, so sizes no longer stored do not keep
+    out the sizes being stored now."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
         self.reused = 0
-        self._free: dict[int, list[np.ndarray]] = {}
+        self._free: dict[int, dict[int, np.ndarray]] = {}  # size -> buffers by id, oldest first
+        self._age: OrderedDict[int, int] = OrderedDict()  # every pooled buffer's id -> size, oldest first
         self._lock = threading.Lock()
 
     def give(self, buf) -> None:
         """A buffer its owner no longer holds (it may still be in use elsewhere for a while)."""
-        if type(buf) is not np.ndarray or buf.nbytes < MIN_POOLED:
+        if type(buf) is not np.ndarray or buf.nbytes < MIN_POOLED or buf.nbytes > self.limit:
             return
         with self._lock:
-            if self.bytes + buf.nbytes <= self.limit:
-                self._free.setdefault(buf.nbytes, []).append(buf)
-                self.bytes += buf.nbytes
+            while self.bytes + buf.nbytes > self.limit:
+                old, size = self._age.popitem(last=False)
+                del self._free[size][old]
+                self.bytes -= size
+            self._free.setdefault(buf.nbytes, {})[id(buf)] = buf
+            self._age[id(buf)] = buf.nbytes
+            self.bytes += buf.nbytes
 
     def take(self, size: int) -> np.ndarray:
         """A uint8 buffer of ``size`` bytes (contents undefined): a pooled one if one is free."""
         with self._lock:
             free = self._free.get(size)
             if free:
-                for i in range(len(free) - 1, -1, -1):
-                    # Two references: the list's, and getrefcount's argument.  More: a view of
-                    # it is still queued on a connection.
-                    if sys.getrefcount(free[i]) == 2:
+                for key in reversed(list(free)):
+                    buf = free[key]
+                    # Three references: the pool's, ``buf``, and getrefcount's argument.  More:
+                    # a view of it is still queued on a connection.
+                    if sys.getrefcount(buf) == 3:
+                        del free[key], self._age[key]
                         self.reused += 1
                         self.bytes -= size
-                        return free.pop(i)
+                        return buf
         return np.empty(size, dtype=np.uint8)
 
 

@@ -32,6 +32,20 @@ def test_the_pool_is_bounded_and_keeps_only_large_arrays():
     assert pool.take(3 * MIN_POOLED).nbytes == 3 * MIN_POOLED and pool.reused == 0  # no such size: fresh
 
 
+def test_a_full_pool_lets_the_buffers_freed_longest_ago_go_first():
+    pool = BufferPool(limit=3 * MIN_POOLED)
+    old = [np.empty(MIN_POOLED, np.uint8) for _ in range(3)]  # a size no longer stored
+    for i in range(3):
+        pool.give(old[i])
+    new = np.empty(2 * MIN_POOLED, np.uint8)
+    pool.give(new)  # the two oldest go to make room
+    assert pool.bytes == 3 * MIN_POOLED
+    del new
+    assert pool.take(2 * MIN_POOLED).nbytes == 2 * MIN_POOLED and pool.reused == 1
+    del old[:]
+    assert pool.take(MIN_POOLED) is not None and pool.reused == 2  # the newest of the old size stayed
+
+
 def test_the_store_hands_evicted_and_deleted_payloads_to_the_pool():
     pool = BufferPool(limit=1 << 30)
     store = ChunkStore(3 * (MIN_POOLED + 1024), recycle=pool.give)
