@@ -8,11 +8,10 @@ import itertools
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
+from polling import readyz, wait_for
 
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
@@ -28,16 +27,6 @@ def _name() -> str:
     return f"contract-{next(_names)}"
 
 
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s: {what}")
-
-
 def _etcd(cluster, fn):
     """``fn(etcd)`` against the cluster's etcd; None while it cannot be reached (gRPC keeps
     refusing for its reconnect backoff after etcd came back)."""
@@ -45,14 +34,6 @@ def _etcd(cluster, fn):
         return cluster.etcd_run(fn)
     except MembershipError:
         return None
-
-
-def _ready(admin_addr: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{admin_addr}/readyz", timeout=2) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def _items(n: int, tag: bytes) -> list[ChunkItem]:
@@ -106,7 +87,7 @@ def test_etcd_wiped_the_contract_comes_back_and_nodes_stay_ready_while_it_is_dow
             # etcd stopped: past the nodes' lease TTL, they keep serving and stay ready.
             etcd.stop()
             time.sleep(ttl + 2)
-            assert all(_ready(n.admin_addr) == 200 for n in cluster.nodes)
+            assert all(readyz(n.admin_addr) == 200 for n in cluster.nodes)
             assert all(client.lookup([it.key for it in _items(20, b"a")]))
             # Its data lost: an empty etcd on the same port.  The client keeps its ring meanwhile
             # (an empty etcd is not a cluster whose nodes all left).
@@ -117,9 +98,9 @@ def test_etcd_wiped_the_contract_comes_back_and_nodes_stay_ready_while_it_is_dow
             watcher = threading.Thread(target=lambda: [rings.append(len(client.ring)) or time.sleep(0.05)
                                                        for _ in range(60)])
             watcher.start()
-            recorded = _wait(lambda: _etcd(cluster, lambda e: e.read_contract()), ttl + 5, "the contract back")
+            recorded = wait_for(lambda: _etcd(cluster, lambda e: e.read_contract()), ttl + 5, "the contract back")
             assert recorded == REAL and time.monotonic() - wiped <= ttl + 5
-            _wait(lambda: len((_etcd(cluster, lambda e: e.members()) or ({},))[0]) == 2, ttl + 5, "both nodes back")
+            wait_for(lambda: len((_etcd(cluster, lambda e: e.members()) or ({},))[0]) == 2, ttl + 5, "both nodes back")
             assert client.wait_for_nodes(2, timeout=5, exact=True)
             watcher.join()
             assert min(rings) >= 1, rings  # never an empty ring while the nodes re-registered
@@ -140,11 +121,11 @@ def test_a_contract_that_changes_under_a_client_stops_its_reads_and_writes(clust
         assert all(client.put_many(items)) and all(client.lookup(keys))
         other = Contract(chunk_size=128, replication=2)
         cluster.etcd_run(lambda e: e.call(lambda c: c.put(key, other.to_json())))
-        _wait(lambda: client.membership.conflict, 5, "the change noticed")
+        wait_for(lambda: client.membership.conflict, 5, "the change noticed")
         assert "chunk_size" in client.membership.conflict
         assert client.lookup(keys) == [False] * 8  # misses: the connector recomputes
         assert client.get(keys) == [None] * 8
         assert client.put_many(_items(2, b"d")) == [0, 0]
         cluster.etcd_run(lambda e: e.call(lambda c: c.put(key, REAL.to_json())))
-        _wait(lambda: client.membership.conflict is None, 5, "the contract back")
+        wait_for(lambda: client.membership.conflict is None, 5, "the contract back")
         assert all(client.lookup(keys))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
+from polling import readyz, wait_for
 
 from kvring.local.cluster import NodeProcess
 
@@ -18,28 +18,10 @@ def _members(cluster) -> dict:
     return cluster.etcd_run(lambda e: e.members())[0]
 
 
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout}s: {what}")
-
-
 def _twin(cluster, node: NodeProcess, **kw) -> NodeProcess:
     """Another node process under ``node``'s id, on ports of its own."""
     return NodeProcess(node.node_id, node.memory, cluster.etcd, cluster.cluster, node.lease_ttl, cluster.contract,
                        **kw)
-
-
-def _ready(node: NodeProcess) -> int:
-    try:
-        with urllib.request.urlopen(f"{node.admin_addr}/readyz", timeout=2) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def test_a_duplicate_node_id_is_refused_and_the_live_node_stays_on_the_ring(cluster_factory):
@@ -56,7 +38,7 @@ def test_a_duplicate_node_id_is_refused_and_the_live_node_stays_on_the_ring(clus
     time.sleep(live.lease_ttl + 1)
     record = _members(cluster)["node-0"]
     assert record.data_addr == live.data_addr and record.pid == live.pid
-    assert _ready(live) == 200
+    assert readyz(live.admin_addr) == 200
 
 
 def test_a_record_deleted_behind_a_nodes_back_comes_back_within_the_ttl(cluster_factory):
@@ -67,7 +49,7 @@ def test_a_record_deleted_behind_a_nodes_back_comes_back_within_the_ttl(cluster_
     cluster.etcd_run(lambda e: e.call(lambda c: c.delete(key)))
     deleted = time.monotonic()
     assert "node-0" not in _members(cluster)
-    _wait(lambda: "node-0" in _members(cluster), node.lease_ttl + 2, "the record written again")
+    wait_for(lambda: "node-0" in _members(cluster), node.lease_ttl + 2, "the record written again")
     assert time.monotonic() - deleted <= node.lease_ttl + 2
     assert _members(cluster)["node-0"].data_addr == node.data_addr
 
@@ -100,4 +82,4 @@ def test_a_node_whose_id_was_taken_over_stops(cluster_factory):
     code = frozen.proc.wait(timeout=frozen.lease_ttl + 5)
     assert code == 2
     assert _members(cluster)["node-0"].data_addr == successor.data_addr
-    assert _ready(successor) == 200
+    assert readyz(successor.admin_addr) == 200
