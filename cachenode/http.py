@@ -1,7 +1,8 @@
 """A node's admin HTTP port: health, metrics, stats, drain, and the admin API's key queries.
 
-- ``GET /healthz`` (the process is up), ``GET /readyz`` (serving: registered once and not leaving
-  the ring; 503 while draining, not while etcd is away), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``GET /drain``;
+- ``GET /healthz`` (the process is up), ``GET /readyz`` (serving: registered once and not
+  leaving the ring; 503 while draining, not while etcd is away), ``GET /metrics``
+  (Prometheus), ``GET /stats`` (JSON), ``GET /drain``;
 - ``POST /drain`` and ``DELETE /drain``: start or withdraw a drain, from loopback only (the
   pod's preStop hook; from elsewhere, drain through etcd, which the admin API guards);
 - ``POST /v1/present`` ``{"keys": [hex, ...]}`` -> ``{"present": [bool, ...]}`` (no lease) and

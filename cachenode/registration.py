@@ -21,7 +21,7 @@ import msgspec
 from kvring.common import protocol as P
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError, NodeIdTaken
-from kvring.common.records import NodeRecord
+from kvring.common.records import NodeRecord, split_data_addr
 from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd
 from kvring.membership.registrar import Registrar
@@ -37,9 +37,9 @@ PROBE_TIMEOUT = 1.0  # how long a node holding our id has to answer PING
 
 async def answers_as(record: NodeRecord, timeout: float = PROBE_TIMEOUT) -> bool:
     """Whether the node at ``record``'s data address answers PING as ``record.node_id``."""
-    host, _, port = record.data_addr.removeprefix("tcp://").rpartition(":")
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        host, port = split_data_addr(record.data_addr)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (OSError, TimeoutError, ValueError):
         return False
     try:

@@ -43,10 +43,10 @@ class ClusterClient:
     cluster's first node to record it (never a default; a contract that later changes in etcd
     turns reads into misses and writes into no-ops).  ``timeout`` bounds how long a node may
     stay silent while a request waits on it; a node that times out is skipped for
-    ``failure_backoff`` seconds.  ``verify`` checks every layer's checksum on read.  Large payloads are read into
-    slabs (up to ``buffer_pool_bytes``) that are reused once the caller has dropped every view
-    of them, so reads do not pay for fresh memory each time (``reserve_buffers`` maps them
-    ahead).
+    ``failure_backoff`` seconds.  ``verify`` checks every layer's checksum on read.  Large
+    payloads are read into slabs (up to ``buffer_pool_bytes``) that are reused once the caller
+    has dropped every view of them, so reads do not pay for fresh memory each time
+    (``reserve_buffers`` maps them ahead).
     """
 
     def __init__(

@@ -7,10 +7,10 @@ requests) and may be called from many threads at once; shared state is only the 
 Routing: each key goes to its first live owner on the ring (``replication`` distinct nodes,
 primary first), one request per node, all nodes in parallel.  A key that owner does not hold
 (it restarted empty, or evicted it) or that fails there is asked of its next owner, and so on
-through its owners; a node that fails is marked.  After a ring change, a key missed on its new owner
-is looked for on its owner in the previous ring.  GET verifies the XXH3 checksum of every layer
-it receives; a mismatch is a miss of that key (it is never returned) and the corrupt copy is
-deleted, so the next save can store a good one.
+through its owners; a node that fails is marked.  After a ring change, a key missed on its
+new owners is looked for on its owner in the previous ring.  GET verifies the XXH3 checksum of
+every layer it receives; a mismatch is a miss of that key (it is never returned) and the
+corrupt copy is deleted, so the next save can store a good one.
 """
 
 from __future__ import annotations

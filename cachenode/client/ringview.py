@@ -138,8 +138,7 @@ class Membership:
                                "to %.0fs", self.settings.cluster, self.contract_wait)
             await asyncio.sleep(0.25)
 
-    async def _check_contract(self) -> None:
-        recorded = await self._etcd.read_contract()
+    def _check_contract(self, recorded: Contract | None) -> None:
         if recorded is None:  # etcd lost its data: the nodes write it back
             return
         diff = self.contract.differences(recorded)
@@ -158,21 +157,22 @@ class Membership:
         while True:
             await asyncio.sleep(self.poll_interval)
             try:
-                await self._refresh()
-                await self._check_contract()
+                recorded = await self._etcd.read_contract()
+                await self._refresh(etcd_lost=recorded is None)
+                self._check_contract(recorded)
             except MembershipError as exc:
                 if self.etcd_ok:
                     logger.warning("etcd unreachable (%s); routing with the last ring (epoch %d)",
                                    exc, self.view.ring.epoch)
                 self.etcd_ok = False
 
-    async def _refresh(self) -> None:
+    async def _refresh(self, etcd_lost: bool = False) -> None:
         members, revision = await self._etcd.members()
         self.etcd_ok = True
         old = self.view
         if members == old.members:
             return
-        if not members and await self._etcd.read_contract() is None:
+        if not members and etcd_lost:
             # Not a cluster whose nodes all left (their contract stays): an etcd that lost its
             # data.  The nodes re-register within their lease TTL; until then, the last ring.
             if not self.etcd_lost:

@@ -31,6 +31,7 @@ import msgspec
 
 from kvring.common import protocol as P
 from kvring.common.errors import NodeUnavailable, RemoteError, remote_error
+from kvring.common.records import split_data_addr
 
 from ..buffers import SlabPool
 from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, SendQueue, pack
@@ -103,12 +104,12 @@ class NodeLink:
     """One node's address and its idle connections (shared by threads)."""
 
     def __init__(self, node_id: str, data_addr: str, connect_timeout: float, buffers: SlabPool) -> None:
-        host, _, port = data_addr.removeprefix("tcp://").rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"node {node_id}: data address {data_addr!r} is not tcp://host:port")
+        try:
+            self.host, self.port = split_data_addr(data_addr)
+        except ValueError as exc:
+            raise ValueError(f"node {node_id}: {exc}") from None
         self.node_id = node_id
         self.data_addr = data_addr
-        self.host, self.port = host.strip("[]"), int(port)
         self.connect_timeout = connect_timeout
         self.buffers = buffers
         self._idle: list[Connection] = []

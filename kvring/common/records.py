@@ -18,3 +18,11 @@ class NodeRecord(msgspec.Struct, frozen=True):
     @property
     def on_ring(self) -> bool:
         return self.state.on_ring
+
+
+def split_data_addr(data_addr: str) -> tuple[str, int]:
+    """``tcp://host:port`` (an IPv6 host in brackets) as ``(host, port)``; ``ValueError`` if it is not one."""
+    host, _, port = data_addr.removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"data address {data_addr!r} is not tcp://host:port")
+    return host.strip("[]"), int(port)

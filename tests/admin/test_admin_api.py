@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from polling import wait_for
 
 from kvring.admin import AdminSettings, create_app
 from kvring.cachenode.client import ClusterClient
@@ -64,14 +65,6 @@ def _put(client, keys, namespace: str = "") -> np.ndarray:
     assert all(client.put_many([ChunkItem.of(k, data, [2, 256, 2, 16], "uint8", 256, namespace) for k in keys]))
     return data
 
-
-def _until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_health_and_openapi_docs(api):
@@ -286,7 +279,7 @@ def test_drain_through_the_api(api, cluster, client):
     assert api.post("/v1/nodes/nope/drain", headers=AUTH).status_code == 404
     resp = api.post("/v1/nodes/node-2/drain", headers=AUTH)
     assert resp.status_code == 202 and resp.json()["drain_requested"] is True
-    _until(lambda: api.get("/v1/nodes/node-2").json()["state"] == "drained", 30, "node-2 drained")
+    wait_for(lambda: api.get("/v1/nodes/node-2").json()["state"] == "drained", 30, "node-2 drained")
     node = api.get("/v1/nodes/node-2").json()
     assert node["chunks"] == 0 and node["registered_state"] == "drained" and not node["on_ring"]
     assert node["drain"]["requested_by"] == ["etcd"] and node["drain"]["remaining"] == 0
@@ -301,7 +294,7 @@ def test_drain_through_the_api(api, cluster, client):
 
     resp = api.delete("/v1/nodes/node-2/drain", headers=AUTH)
     assert resp.status_code == 200 and resp.json()["drain_requested"] is False
-    _until(lambda: api.get("/v1/cluster").json()["states"] == {"active": 3}, 10, "node-2 active again")
+    wait_for(lambda: api.get("/v1/cluster").json()["states"] == {"active": 3}, 10, "node-2 active again")
     assert api.get("/v1/cluster").json()["drain_requests"] == []
 
 

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+from polling import wait_for
 
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
@@ -36,15 +37,6 @@ def _stats(node) -> dict:
     assert code == 200
     return json.loads(body)
 
-
-def _until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _chunks(n: int, seed: int, namespaces=("", "ns-a")):
@@ -87,11 +79,11 @@ def test_drain_through_etcd_hands_off_every_chunk(cluster_factory):
         assert _http(f"{target.admin_addr}/readyz")[0] == 200
 
         cluster.etcd_run(lambda e: e.request_drain(target.node_id))
-        assert _until(lambda: _http(f"{target.admin_addr}/readyz")[0] == 503, 5, "readyz 503 while draining")
+        assert wait_for(lambda: _http(f"{target.admin_addr}/readyz")[0] == 503, 5, "readyz 503 while draining")
         # The ring drops the node as soon as its record says draining; GETs keep working meanwhile.
         assert client.wait_for_nodes(2, timeout=5, exact=True)
         assert target.node_id not in client.ring.nodes
-        _until(lambda: _state(cluster, target.node_id) == "drained", 30, "the record to say drained")
+        wait_for(lambda: _state(cluster, target.node_id) == "drained", 30, "the record to say drained")
 
     stats = _stats(target)
     assert stats["state"] == "drained" and stats["chunks"] == 0
@@ -130,7 +122,7 @@ def test_drain_over_the_admin_port_with_the_cli_then_cancel(cluster_factory):
 
         undo = _kvring("drain", "--admin", target.admin_addr, "--cancel")
         assert undo.returncode == 0, undo.stderr
-        _until(lambda: _state(cluster, target.node_id) == "active", 5, "the node to be active again")
+        wait_for(lambda: _state(cluster, target.node_id) == "active", 5, "the node to be active again")
         assert client.wait_for_nodes(2, timeout=5, exact=True)
         assert _http(f"{target.admin_addr}/readyz")[0] == 200
         # Back on the ring, it gets its share of new chunks again.
@@ -138,7 +130,7 @@ def test_drain_over_the_admin_port_with_the_cli_then_cancel(cluster_factory):
         _put(client, more)
         assert _stats(target)["chunks"] > 0
         # The chunks it gave away come back to it by the other node's background handoff.
-        _until(lambda: not _unreadable(cluster, chunks + more), 15, "handoff back to the returning node")
+        wait_for(lambda: not _unreadable(cluster, chunks + more), 15, "handoff back to the returning node")
 
 
 def test_drain_with_nowhere_to_go_keeps_every_chunk(cluster_factory):
@@ -169,7 +161,7 @@ def test_drain_with_nowhere_to_go_keeps_every_chunk(cluster_factory):
     cancelled = _kvring("drain", "--etcd", cluster.etcd, "--cluster", cluster.cluster, "--node", node.node_id,
                         "--cancel")
     assert cancelled.returncode == 0, cancelled.stderr
-    _until(lambda: _state(cluster, node.node_id) == "active", 5, "the node to be active again")
+    wait_for(lambda: _state(cluster, node.node_id) == "active", 5, "the node to be active again")
     _all_readable(cluster, chunks)
 
 
@@ -192,7 +184,7 @@ def test_a_drain_requested_before_start_holds(etcd_server):
         node = cluster.nodes[1]
         assert _state(cluster, node.node_id) in ("draining", "drained")
         assert _http(f"{node.admin_addr}/readyz")[0] == 503
-        _until(lambda: _state(cluster, node.node_id) == "drained", 10, "the empty node to report drained")
+        wait_for(lambda: _state(cluster, node.node_id) == "drained", 10, "the empty node to report drained")
         with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
             assert client.ring.nodes == ("node-0",)
     assert cluster.etcd_run(lambda e: e.drain_requests()) == set()  # drained and stopped: request fulfilled

@@ -42,11 +42,10 @@ import importlib.resources
 import json
 import secrets
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -363,18 +362,6 @@ class KubeAPI:
 
     def list(self, path: str) -> list[dict]:
         return self.request("GET", path)["items"]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.1, what: str = "") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}; last value: {last!r}")
 
 
 class EmulatorThread:

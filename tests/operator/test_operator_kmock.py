@@ -28,8 +28,9 @@ import kopf
 import numpy as np
 import pytest
 from crd_schema import load_crd, schema_errors
-from kmock_shim import EmulatorThread, KubeAPI, wait_for
+from kmock_shim import EmulatorThread, KubeAPI
 from kopf.testing import KopfRunner
+from polling import wait_for
 
 from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.store import ENTRY_OVERHEAD
