@@ -1,11 +1,13 @@
-"""Handoff: a node moves the chunks it no longer owns to their owners; a draining node, all.
+"""Handoff and repair: a node's thread that keeps every chunk it holds where the ring wants it.
 
-After a ring change (a node joined, or this node is draining and left the ring) the chunks a
-node holds but no longer owns would only be reachable through the clients' previous-owner
-fallback, for a while.  The handoff thread of each node notices the new ring epoch, pages
-through its own keys, and for every key it does not own any more reads the chunk from itself,
-PUTs it to the key's owners (namespace kept) and deletes its own copy once at least one owner
-stored it.
+After a ring change (a node joined, left, came back empty under its id, or this node is
+draining and left the ring) chunks can be on the wrong nodes (the node no longer owns them) or
+missing from some of their owners (an owner was lost or restarted empty).  This thread notices
+the change (a new ring epoch; a restarted node writes a new incarnation into its record, which
+makes one), and runs a ``repair.RepairPass`` over this node's keys: copies go to the owners
+that lack them, and copies this node no longer owns leave once their owners hold them.  It
+also runs a pass every ``repair_interval`` seconds (a PUT that missed a replica), and again
+after ``retry`` seconds while a pass could not finish (an owner did not answer).
 
 It talks to its own node over the data protocol like any client (the store stays owned by
 the node's I/O thread) and never hands off while this node is missing from the ring without
@@ -17,19 +19,19 @@ interval until the node holds no chunk, then calls ``on_drained`` (the node repo
 ``drained``).  It keeps looking afterwards: a client that had not yet seen the new ring may
 still have put a chunk here, and the next pass moves it on.  A drain that cannot finish keeps
 its chunks (nothing is deleted before an owner stored it) and says why in
-``DrainProgress`` (``reason`` for programs, ``waiting`` for people): the ring has no other node to take them (the single-node case;
-they stay here until a node joins or the drain is cancelled), their owners refused them or
-did not answer, or etcd is unreachable.
+``DrainProgress`` (``reason`` for programs, ``waiting`` for people): the ring has no other node
+to take them (the single-node case; they stay here until a node joins or the drain is
+cancelled), their owners refused them or did not answer, or etcd is unreachable.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
 from kvring.common.errors import KVRingError
 from kvring.common.ring import HashRing
@@ -37,6 +39,7 @@ from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.membership.settings import EtcdSettings
 
 from .client import ClusterClient
+from .repair import RateLimit, RepairPass, RepairProgress
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,8 @@ class DrainProgress:
 class Handoff:
     def __init__(self, node_id: str, etcd: EtcdSettings, contract: Contract, state: Callable[[], str],
                  held: Callable[[], int], on_drained: Callable[[], None], interval: float = 1.0,
-                 batch: int = 32, page: int = 1024) -> None:
+                 batch: int = 32, page: int = 1024, repair_rate: int = 64 << 20, repair_interval: float = 60.0,
+                 retry: float = 5.0) -> None:
         self.node_id = node_id
         self.etcd = etcd
         self.contract = contract
@@ -67,10 +71,16 @@ class Handoff:
         self.interval = interval
         self.batch = batch
         self.page = page
+        self.repair_interval = repair_interval
+        self.retry = retry
         self.moved = 0
         self.done_epoch = 0
+        self.next_pass = 0.0  # monotonic time of the next pass without a ring change, and why
+        self.next_trigger = "periodic"
         self.drain = DrainProgress()
+        self.repair = RepairProgress(rate_limit=repair_rate)
         self._stop = threading.Event()
+        self._limit = RateLimit(repair_rate, self._stop)
         self._thread = threading.Thread(target=self._run, name="kvring-handoff", daemon=True)
 
     def start(self) -> None:
@@ -107,9 +117,15 @@ class Handoff:
 
     def _rebalance_step(self, client: ClusterClient) -> None:
         ring = client.ring
-        if ring.epoch == self.done_epoch or not ring.nodes or self.node_id not in ring.nodes:
+        if not ring.nodes or self.node_id not in ring.nodes:
             return
-        moved = self.pass_once(client, ring)
+        if ring.epoch != self.done_epoch:
+            trigger = f"ring epoch {ring.epoch}"
+        elif time.monotonic() >= self.next_pass:
+            trigger = self.next_trigger
+        else:
+            return
+        moved = self.pass_once(client, ring, trigger)
         self.done_epoch = ring.epoch
         if moved:
             logger.info("handed off %d chunks after ring epoch %d", moved, ring.epoch)
@@ -125,7 +141,7 @@ class Handoff:
                                        "they stay here (add a node, or cancel the drain)")
             return
         if held:
-            moved = self.pass_once(client, ring)
+            moved = self.pass_once(client, ring, draining=True)
             self.drain.handed_off += moved
             self.drain.passes += 1
             held = self.held()
@@ -142,22 +158,30 @@ class Handoff:
     def _blocked(self, reason: str, waiting: str) -> None:
         self.drain.reason, self.drain.waiting = reason, waiting
 
-    def pass_once(self, client: ClusterClient, ring: HashRing) -> int:
-        """Move every chunk this node holds but does not own on ``ring``; returns how many."""
-        moved, after = 0, b""
-        while not self._stop.is_set():
-            keys = client.list_keys(self.node_id, after, self.page)
-            if not keys:
-                break
-            after = keys[-1]
-            leaving = [k for k, owners in zip(keys, ring.owners_many(keys)) if self.node_id not in owners]
-            for i in range(0, len(leaving), self.batch):
-                chunks = [c for c in client.get(leaving[i:i + self.batch], node=self.node_id) if c is not None]
-                items = [ChunkItem(c.key, c.data, c.meta) for c in chunks]
-                stored = client.put_many(items) if items else []
-                done = [item.key for item, n in zip(items, stored) if n > 0]
-                if done:
-                    client.delete(done, node=self.node_id)
-                moved += len(done)
+    def pass_once(self, client: ClusterClient, ring: HashRing, trigger: str = "", draining: bool = False) -> int:
+        """Run one repair pass on ``ring``; returns how many chunks left this node."""
+        progress = self.repair
+        progress.active, progress.trigger = True, trigger or "drain"
+        progress.scanned = progress.missing = progress.copied = progress.copied_bytes = progress.unreachable = 0
+        progress.started_at, progress.finished_at = time.time(), None
+        repair = RepairPass(client, self.node_id, ring, progress, self._limit, self._stop, draining=draining,
+                            page=self.page, batch=self.batch)
+        try:
+            moved = repair.run()
+        except KVRingError:
+            repair.incomplete = True
+            raise
+        finally:
+            progress.active = False
+            progress.passes += 1
+            progress.finished_at = time.time()
+            progress.last_pass_s = round(progress.finished_at - progress.started_at, 3)
+            progress.copied_total += progress.copied
+            progress.copied_bytes_total += progress.copied_bytes
+            self.next_trigger = "retry" if repair.incomplete else "periodic"
+            self.next_pass = time.monotonic() + (self.retry if repair.incomplete else self.repair_interval)
+        if progress.copied:
+            logger.info("repair (%s): restored %d copies (%.1f MiB) in %.1fs", progress.trigger, progress.copied,
+                        progress.copied_bytes / (1 << 20), progress.last_pass_s)
         self.moved += moved
         return moved

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -67,6 +68,8 @@ class NodeConfig:
     lease_ttl: int = 10
     contract: Contract = field(default_factory=Contract)
     handoff: bool = True
+    repair_rate: int = 64 << 20  # bytes/s of copies restored to owners that lack them (0: no limit)
+    repair_interval: float = 60.0  # seconds between repair passes without a ring change
     drain_poll: float = 1.0  # seconds between looks at this node's drain key in etcd
     # Testing only: POST /debug/corrupt?key=HEX (from loopback) flips a stored byte, so tests can
     # show that a corrupt chunk is never loaded. Off unless --fault-injection is given.
@@ -83,6 +86,10 @@ class NodeConfig:
             raise ValueError("--max-leased-fraction must be in [0, 1)")
         if self.lease_ttl < 1:
             raise ValueError("--lease-ttl must be at least 1 second")
+        if self.repair_rate < 0:
+            raise ValueError("--repair-rate must be 0 (no limit) or a size per second, e.g. 64MiB")
+        if not self.repair_interval > 0:
+            raise ValueError("--repair-interval must be positive seconds")
         if not self.drain_poll > 0:
             raise ValueError("drain_poll must be positive seconds")
         make_policy(self.policy)
@@ -111,6 +118,7 @@ class CacheNode:
             admin_addr=f"http://{adv}:{self.admin_port}",
             capacity=config.memory,
             pid=os.getpid(),
+            incarnation=secrets.token_hex(8),
         )
         self.drain = Drain(config.node_id, state=lambda: self.record.state, set_state=self.set_state,
                            held=lambda: len(self.store))
@@ -132,7 +140,8 @@ class CacheNode:
         if self.config.handoff:
             self.handoff = Handoff(self.config.node_id, self.config.etcd, self.config.contract,
                                    state=lambda: self.record.state, held=lambda: len(self.store),
-                                   on_drained=self.drain.drained)
+                                   on_drained=self.drain.drained, repair_rate=self.config.repair_rate,
+                                   repair_interval=self.config.repair_interval)
             self.drain.handoff = self.handoff
             if self.record.state in LEFT_RING_STATES:
                 self.handoff.reset_drain()
@@ -193,6 +202,7 @@ class CacheNode:
             "registered": bool(self.registration and self.registration.registered),
             "registrations": self.registration.registrar.registrations if self.registration else 0,
             "handed_off": self.handoff.moved if self.handoff else 0,
+            "repair": self.handoff.repair.as_dict() if self.handoff else None,
             "namespaces": len(self.store.namespaces()),
             "drain": self.drain.status(),
             "connections": len(self.server.conns),

@@ -11,8 +11,9 @@ stays the same, as Kubernetes conventions ask):
 - ``Ready``: every desired node pod is ready and its node is ``active`` in etcd.
 - ``Degraded``: etcd cannot be reached, or a cluster that had been ready lost nodes.  A cluster
   still coming up is not degraded, only not ready.
-- ``Rebalancing``: chunks are moving: a scale-in is draining nodes, or a node is joining,
-  draining or drained.
+- ``Rebalancing``: chunks are moving: a scale-in is draining nodes, a node is joining,
+  draining or drained, or a node is restoring copies its co-owners lack (after a node was lost
+  or came back empty: its ``/stats`` ``repair.moving``).
 - ``ConfigMismatch``: the spec cannot work (``invalid_status``); the running cluster is left as
   it was.
 
@@ -162,6 +163,18 @@ def node_summaries(obs: Observation) -> list[dict[str, Any]]:
     return out
 
 
+def repairs_in_progress(stats: Mapping[str, Mapping[str, Any]]) -> str:
+    """Which nodes are restoring copies their co-owners lack (their ``/stats`` ``repair``), as a
+    message; empty when none is."""
+    parts = []
+    for node_id in sorted(stats):
+        repair = stats[node_id].get("repair")
+        if isinstance(repair, Mapping) and repair.get("moving"):
+            parts.append(f"{node_id} restored {repair.get('copied', 0)} of {repair.get('missing', 0)} missing copies "
+                         f"so far")
+    return "; ".join(parts)
+
+
 def membership_epoch(previous: Mapping[str, Any] | None, nodes: list[dict[str, Any]], obs: Observation) -> int:
     """Keep the previous epoch while the registered ids and states are the ones it was given to."""
     prev_epoch = int((previous or {}).get("epoch") or 0)
@@ -219,6 +232,8 @@ def observed_conditions(obs: Observation, nodes: list[dict[str, Any]],
     elif moving:
         rebalancing = Condition("Rebalancing", True, "NodesMoving",
                                 ", ".join("{} {}".format(n["id"], n["state"]) for n in moving))
+    elif repairing := repairs_in_progress(obs.stats):
+        rebalancing = Condition("Rebalancing", True, "RestoringCopies", repairing)
     elif obs.members is None:
         rebalancing = Condition("Rebalancing", None, "EtcdUnreachable", ready.message)
     else:

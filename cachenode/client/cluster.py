@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from kvring.common import protocol as P
 from kvring.common.chunk import ChunkItem
@@ -198,6 +198,19 @@ class ClusterClient:
     def put(self, key: bytes, payload, shape: Sequence[int], dtype: str, tokens: int, namespace: str = "") -> int:
         """Store one layer-major chunk on its owners; returns how many replicas stored it."""
         return self.put_many([ChunkItem.of(key, payload, shape, dtype, tokens, namespace)])[0]
+
+    def put_to(self, copies: Mapping[str, Sequence[ChunkItem]]) -> dict[str, list[bool]]:
+        """Store each node's items on that node, whoever owns them (repair, handoff); returns,
+        per node, which of its items it stored."""
+        return self.writes.put_to(copies)
+
+    def holders(self, node: str, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` ``node`` holds (one LOOKUP, nothing leased); raises its error."""
+        present: list[bool] = []
+        for i in range(0, len(keys), P.MAX_KEYS_PER_REQUEST):
+            batch = list(keys[i:i + P.MAX_KEYS_PER_REQUEST])
+            present += self.writes.call(node, P.Lookup(rid=next_rid(), keys=batch)).present
+        return present
 
     def delete(self, keys: Sequence[bytes], node: str | None = None) -> int:
         """Delete keys from all their owners (or from ``node`` only); returns copies removed."""

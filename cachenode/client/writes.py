@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvring.common import protocol as P
 from kvring.common.chunk import ChunkItem
@@ -22,8 +22,6 @@ from .ringview import FailureMarks, Membership
 from .transport import Exchange, Failure, Links, next_rid
 
 logger = logging.getLogger(__name__)
-
-
 
 
 class Writes:
@@ -66,6 +64,29 @@ class Writes:
             raise KVRingError(f"no replica stored: {errors[0]}")
         if errors:
             logger.debug("%d replica writes failed, first: %s", len(errors), errors[0])
+        return stored
+
+    def put_to(self, copies: Mapping[str, Sequence[ChunkItem]]) -> dict[str, list[bool]]:
+        """Store each node's items on that node, whoever owns them (repair, handoff); returns,
+        per node, which items it stored.  Failures are logged and count as not stored."""
+        ring = self.membership.view.ring
+        stored = {node_id: [False] * len(items) for node_id, items in copies.items()}
+        if self.membership.conflict:
+            return stored
+        asked: dict[int, tuple[str, int]] = {}
+        with Exchange(self.links, self.timeout) as ex:
+            for node_id, items in copies.items():
+                for i, item in enumerate(items):
+                    msg = P.Put(rid=next_rid(), epoch=ring.epoch, key=item.key, meta=item.meta)
+                    asked[ex.request(node_id, msg, [item.payload])] = (node_id, i)
+            for event in ex.events():
+                if isinstance(event, Failure):
+                    if isinstance(event.error, NodeUnavailable):
+                        self.marks.mark(event.node_id, str(event.error))
+                    logger.debug("copy to %s failed: %s", event.node_id, event.error)
+                    continue
+                node_id, i = asked[event.rid]
+                stored[node_id][i] = True
         return stored
 
     def delete(self, keys: list[bytes], node: str | None) -> int:

@@ -50,7 +50,12 @@ def node(
     max_chunk_bytes: Annotated[str | None, typer.Option(help="Largest chunk accepted [default: 256MiB or --memory if less].")] = None,
     policy: Annotated[str, typer.Option(help="Eviction policy: lru or fifo.")] = "lru",
     lease_ttl: Annotated[int, typer.Option(help="etcd lease TTL in seconds.")] = 10,
-    handoff: Annotated[bool, typer.Option(help="Move chunks this node no longer owns to their owners.")] = True,
+    handoff: Annotated[bool, typer.Option(help="Move chunks this node no longer owns to their owners, and "
+                                                "restore copies its co-owners lack.")] = True,
+    repair_rate: Annotated[str, typer.Option(help="Bytes per second of copies restored to co-owners "
+                                                  "(0: no limit).")] = "64MiB",
+    repair_interval: Annotated[float, typer.Option(help="Seconds between repair passes when the ring "
+                                                        "does not change.")] = 60.0,
     fault_injection: Annotated[bool, typer.Option(
         "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte.",
         hidden=True)] = False,
@@ -72,7 +77,8 @@ def node(
             max_chunk_bytes=(_size(max_chunk_bytes, "--max-chunk-bytes") if max_chunk_bytes
                              else min(256 << 20, _size(memory, "--memory"))), policy=policy,
             etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl, handoff=handoff,
-            fault_injection=fault_injection,
+            repair_rate=_size(repair_rate, "--repair-rate"),
+            repair_interval=repair_interval, fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -14,6 +14,9 @@ class NodeRecord(msgspec.Struct, frozen=True):
     capacity: int  # the node's memory budget in bytes (its weight on the ring)
     state: NodeState = NodeState.ACTIVE
     pid: int = 0
+    # Random per process start: a node restarted under its id (same pid 1 in a container, same
+    # address) is a new incarnation, and its peers know it may have come back empty.
+    incarnation: str = ""
 
     @property
     def on_ring(self) -> bool:

@@ -156,6 +156,17 @@ def test_rebalancing_during_a_scale_in_and_while_nodes_move():
     assert conditions(obs())["Rebalancing"].status is False
 
 
+def test_rebalancing_while_a_node_restores_copies_its_co_owners_lack():
+    restoring = {"c-1": {"repair": {"active": True, "moving": True, "missing": 1300, "copied": 400}},
+                 "c-0": {"repair": {"active": True, "moving": False, "missing": 0, "copied": 0}}}
+    cond = conditions(obs(stats=restoring))["Rebalancing"]
+    assert (cond.status, cond.reason) == (True, "RestoringCopies")
+    assert cond.message == "c-1 restored 400 of 1300 missing copies so far"
+    done = {"c-1": {"repair": {"active": False, "moving": False, "missing": 1300, "copied": 1300}}}
+    assert conditions(obs(stats=done))["Rebalancing"].status is False
+    assert conditions(obs(stats={"c-0": {"repair": None}}))["Rebalancing"].status is False  # a node without handoff
+
+
 # ---- whole status objects -----------------------------------------------------------------------
 
 def cr(status: dict) -> dict:

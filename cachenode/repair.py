@@ -1,0 +1,203 @@
+"""Repair: one pass that gives every chunk a node holds all of its owners' copies.
+
+A node runs a pass (from the handoff thread, ``handoff.py``) after every change of the ring or
+of a member's incarnation -- a node joined, left, or came back empty under its id -- and every
+``interval`` seconds besides (a PUT that missed a replica while it was down).  The pass pages
+through the node's own keys; for each page it asks every other owner which of the keys it holds
+(one LOOKUP per owner, nothing leased) and then:
+
+- a key this node **owns** whose other owners lack it is copied to them -- by one holder only:
+  the first owner, in ring order, that holds it (each holder reaches the same verdict from the
+  same answers, so two survivors do not both send the copy);
+- a key this node **does not own** (the ring moved, or the node is draining) is copied to every
+  owner that lacks it, and this copy is deleted once every owner holds it (while draining: once
+  one does -- the node is leaving and must not wait on a dead owner).
+
+An owner that does not answer is neither copied to nor counted: the pass is ``incomplete`` and
+the handoff thread runs it again soon.  Copies are read from this node and sent at most
+``RateLimit`` bytes per second (drains are not limited: the node is on its way out), so repair
+never crowds out serving.  ``RepairProgress`` is what ``/stats`` shows as ``repair``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from kvring.common.chunk import ChunkItem
+from kvring.common.errors import KVRingError
+from kvring.common.ring import HashRing
+
+from .client import ClusterClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RepairProgress:
+    """The current (or last) repair pass and the totals so far (``/stats``'s ``repair``)."""
+
+    active: bool = False  # a pass is running
+    trigger: str = ""  # why it runs: "ring epoch N", "periodic", "retry"
+    passes: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+    last_pass_s: float | None = None
+    scanned: int = 0  # keys of this node examined in this pass
+    missing: int = 0  # owner copies found missing in this pass
+    copied: int = 0  # of those, made
+    copied_bytes: int = 0
+    unreachable: int = 0  # owner answers that did not come (the pass runs again)
+    copied_total: int = 0
+    copied_bytes_total: int = 0
+    rate_limit: int = 0  # bytes per second (0: none)
+
+    @property
+    def moving(self) -> bool:
+        """Copies are being restored right now (what makes a cluster ``Rebalancing``)."""
+        return self.active and self.missing > self.copied
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "moving": self.moving}
+
+
+class RateLimit:
+    """A token bucket of ``rate`` bytes per second (one second of burst); 0 means no limit."""
+
+    def __init__(self, rate: int, stop: threading.Event) -> None:
+        self.rate = rate
+        self._stop = stop
+        self._tokens = float(rate)
+        self._at = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` may be sent (returns early if the thread is stopping)."""
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        self._tokens = min(float(self.rate), self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        self._tokens -= nbytes
+        if self._tokens < 0:
+            self._stop.wait(-self._tokens / self.rate)
+
+
+@dataclass
+class PageVerdict:
+    """What one page's owners hold, and which copies to make."""
+
+    keys: list[bytes]
+    owners: list[list[str]]
+    holders: list[set[str]]  # owners known to hold each key (this node included when it holds it)
+    unreachable: list[set[str]] = field(default_factory=list)  # owners that did not answer
+
+
+class RepairPass:
+    """One pass over a node's keys on ``ring`` (see the module docstring)."""
+
+    def __init__(self, client: ClusterClient, node_id: str, ring: HashRing, progress: RepairProgress,
+                 limit: RateLimit | None, stop: threading.Event, draining: bool = False, page: int = 1024,
+                 batch: int = 32) -> None:
+        self.client = client
+        self.node_id = node_id
+        self.ring = ring
+        self.progress = progress
+        self.limit = limit
+        self.stop = stop
+        self.draining = draining
+        self.page = page
+        self.batch = batch
+        self.moved = 0  # chunks this node no longer owns, handed to their owners and deleted here
+        self.incomplete = False  # some owner did not answer or refused: run again soon
+
+    def run(self) -> int:
+        """Walk every key; returns how many chunks left this node (handed off)."""
+        after = b""
+        while not self.stop.is_set():
+            keys = self.client.list_keys(self.node_id, after, self.page)
+            if not keys:
+                break
+            after = keys[-1]
+            self.progress.scanned += len(keys)
+            self._settle(self._survey(keys))
+        return self.moved
+
+    def _survey(self, keys: list[bytes]) -> PageVerdict:
+        owners = self.ring.owners_many(keys)
+        verdict = PageVerdict(keys, owners, [set() for _ in keys], [set() for _ in keys])
+        ask: dict[str, list[int]] = defaultdict(list)
+        for i, key_owners in enumerate(owners):
+            verdict.holders[i].add(self.node_id)  # listed here, so held here
+            for node_id in key_owners:
+                if node_id != self.node_id:
+                    ask[node_id].append(i)
+        for node_id, idx in ask.items():
+            try:
+                present = self.client.holders(node_id, [keys[i] for i in idx])
+            except KVRingError as exc:
+                logger.debug("repair: %s did not answer: %s", node_id, exc)
+                self.incomplete = True
+                self.progress.unreachable += 1
+                for i in idx:
+                    verdict.unreachable[i].add(node_id)
+                continue
+            for i, hit in zip(idx, present):
+                if hit:
+                    verdict.holders[i].add(node_id)
+        return verdict
+
+    def _settle(self, v: PageVerdict) -> None:
+        send: dict[str, list[int]] = defaultdict(list)  # node -> positions to copy to it
+        leaving: list[int] = []
+        for i, owners in enumerate(v.owners):
+            lacking = [n for n in owners if n not in v.holders[i] and n not in v.unreachable[i]]
+            owned = self.node_id in owners
+            if owned and lacking and next(n for n in owners if n in v.holders[i]) != self.node_id:
+                lacking = []  # an earlier owner holds it and sends the copies
+            for node_id in lacking:
+                send[node_id].append(i)
+            self.progress.missing += len(lacking)
+            if not owned:
+                leaving.append(i)
+        if send:
+            self._copy(v, send)
+        gone = [v.keys[i] for i in leaving if self._may_drop(v, i)]
+        if gone:
+            self.client.delete(gone, node=self.node_id)
+            self.moved += len(gone)
+        elif leaving:
+            self.incomplete = True
+
+    def _may_drop(self, v: PageVerdict, i: int) -> bool:
+        held = [n for n in v.owners[i] if n in v.holders[i]]
+        if self.draining:
+            return bool(held)
+        return len(held) == len(v.owners[i])
+
+    def _copy(self, v: PageVerdict, send: dict[str, list[int]]) -> None:
+        wanted = sorted({i for idx in send.values() for i in idx})
+        for start in range(0, len(wanted), self.batch):
+            if self.stop.is_set():
+                return
+            part = wanted[start:start + self.batch]
+            chunks = self.client.get([v.keys[i] for i in part], node=self.node_id)
+            items = {i: ChunkItem(c.key, c.data, c.meta) for i, c in zip(part, chunks) if c is not None}
+            copies = {n: [items[i] for i in idx if i in items] for n, idx in send.items()}
+            copies = {n: its for n, its in copies.items() if its}
+            nbytes = sum(memoryview(item.payload).nbytes for its in copies.values() for item in its)
+            if self.limit is not None and not self.draining:
+                self.limit.take(nbytes)
+            by_key = {item.key: i for i, item in items.items()}
+            for node_id, stored in self.client.put_to(copies).items():
+                for item, ok in zip(copies[node_id], stored):
+                    if ok:
+                        v.holders[by_key[item.key]].add(node_id)
+                        self.progress.copied += 1
+                        self.progress.copied_bytes += memoryview(item.payload).nbytes
+                    else:
+                        self.incomplete = True
+

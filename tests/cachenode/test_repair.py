@@ -1,0 +1,183 @@
+"""Replicas that protect, with real etcd and real node processes: nodes SIGKILLed and restarted
+empty lose nothing, and the survivors restore every chunk's copies in the background."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+from polling import wait_for
+
+from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkItem
+from kvring.common.contract import Contract
+from kvring.common.records import split_data_addr
+from kvring.local.cluster import NodeProcess
+
+CHUNKS = 2_000
+RESTORE_BOUND_S = 30.0  # the bound this test states for 2 copies again after a restart
+
+
+def _payload(i: int) -> bytes:
+    """Chunk ``i``'s bytes (2-6 KiB, different for every chunk, reproducible)."""
+    seed = hashlib.blake2b(i.to_bytes(4, "little"), digest_size=8).digest()
+    return np.random.default_rng(int.from_bytes(seed, "little")).bytes(2048 + (i % 5) * 1024)
+
+
+def _key(i: int) -> bytes:
+    return hashlib.blake2b(b"repair-%d" % i, digest_size=16).digest()
+
+
+def _copies(client: ClusterClient, nodes: list[str]) -> Counter:
+    count: Counter = Counter()
+    for node_id in nodes:
+        after = b""
+        while keys := client.list_keys(node_id, after, 5000):
+            count.update(keys)
+            after = keys[-1]
+    return count
+
+
+def _copied(client: ClusterClient, nodes: list[str]) -> int:
+    """Copies the nodes' repair passes restored so far (their ``/stats``)."""
+    stats = client.stats()
+    return sum(stats[n]["repair"]["copied_total"] for n in nodes)
+
+
+@dataclass
+class Reader:
+    """Reads random chunks while nodes die and come back, checking every byte."""
+
+    client: ClusterClient
+    reads: int = 0
+    misses: int = 0
+    wrong: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        while not self.stop.is_set():
+            picks = rng.sample(range(CHUNKS), 16)
+            try:
+                chunks = self.client.get([_key(i) for i in picks])
+            except Exception as exc:  # counted: a read error is a degraded answer, not wrong KV
+                self.errors.append(repr(exc))
+                time.sleep(0.05)
+                continue
+            for i, chunk in zip(picks, chunks):
+                self.reads += 1
+                if chunk is None:
+                    self.misses += 1
+                elif bytes(chunk.data) != _payload(i):
+                    self.wrong.append(i)
+
+
+def _restart_empty(cluster, index: int) -> NodeProcess:
+    """SIGKILL node ``index`` and start it again, empty, on the same ports (a container restart)."""
+    old = cluster.nodes[index]
+    old.kill()
+    new = NodeProcess(old.node_id, old.memory, cluster.etcd, cluster.cluster, old.lease_ttl, cluster.contract,
+                      list(old.extra), data_port=split_data_addr(old.data_addr)[1],
+                      admin_port=int(old.admin_addr.rpartition(":")[2]))
+    cluster.nodes[index] = new.start(timeout=30)
+    return new
+
+
+def test_three_nodes_killed_and_restarted_empty_in_turn_lose_no_chunk(cluster_factory):
+    cluster = cluster_factory(nodes=3, lease_ttl=3, contract=Contract(chunk_size=16, replication=2))
+    node_ids = [n.node_id for n in cluster.nodes]
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=2.0, failure_backoff=1.0) as client, \
+            ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=2.0, failure_backoff=1.0) as reading:
+        assert client.wait_for_nodes(3)
+        items = [ChunkItem.of(_key(i), _payload(i), (1, len(_payload(i))), "uint8", 16) for i in range(CHUNKS)]
+        for start in range(0, CHUNKS, 200):
+            assert client.put_many(items[start:start + 200]) == [2] * len(items[start:start + 200])
+        assert all(n == 2 for n in _copies(client, node_ids).values())
+
+        reader = Reader(reading)
+        thread = threading.Thread(target=reader.run, daemon=True)
+        thread.start()
+        restored_in: list[float] = []
+        restored: list[int] = []
+        try:
+            for index in range(3):
+                survivors = [n for n in node_ids if n != node_ids[index]]
+                copied_before = _copied(client, survivors)
+                new = _restart_empty(cluster, index)
+                restarted = time.monotonic()
+                assert client.list_keys(new.node_id) == []  # it came back empty
+                # Every chunk is readable right away, from the surviving copy.
+                chunks = client.get([_key(i) for i in range(CHUNKS)])
+                unreadable = [i for i, c in enumerate(chunks) if c is None or bytes(c.data) != _payload(i)]
+                assert unreadable == [], f"after restarting {new.node_id}: {len(unreadable)} chunks unreadable"
+                # The survivors copy back what the restarted node owned.
+                wait_for(lambda: (c := _copies(client, node_ids)) and len(c) == CHUNKS
+                         and all(n == 2 for n in c.values()), RESTORE_BOUND_S,
+                         f"2 copies of every chunk after {new.node_id} restarted empty")
+                restored_in.append(time.monotonic() - restarted)
+                # The restarted node owns about 2/3 of the chunks; the survivors' /stats count the copies.
+                restored.append(_copied(client, survivors) - copied_before)
+                assert restored[-1] >= CHUNKS // 2
+        finally:
+            reader.stop.set()
+            thread.join(10)
+        print(f"2 copies restored in {', '.join(f'{t:.1f}s' for t in restored_in)} ({restored} chunks); reader: {reader.reads} reads, "
+              f"{reader.misses} misses, {len(reader.errors)} errors")
+        assert reader.wrong == []
+        assert reader.reads > 0
+
+
+def test_a_chunk_whose_replica_write_was_missed_gets_its_copy_back(cluster_factory):
+    """A copy missing without any ring change (a PUT that reached one owner only) is restored by
+    the periodic pass."""
+    cluster = cluster_factory(nodes=2, lease_ttl=3, contract=Contract(chunk_size=16, replication=2),
+                              node_args=["--repair-interval", "1"])
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(2)
+        keys = [_key(i) for i in range(50)]
+        client.put_many([ChunkItem.of(k, _payload(i), (1, len(_payload(i))), "uint8", 16)
+                         for i, k in enumerate(keys)])
+        wait_for(lambda: client.stats()["node-0"]["repair"]["passes"] >= 1, 10, "node-0's first repair pass")
+        assert client.delete(keys[:20], node="node-1") == 20  # a replica lost behind the ring's back
+        wait_for(lambda: all(client.holders("node-1", keys)), 15, "the missing copies restored")
+        repair = client.stats()["node-0"]["repair"]
+        assert repair["copied_total"] >= 20 and repair["trigger"] in ("periodic", "retry")
+
+
+def test_a_node_lost_for_good_and_a_node_joining_leave_exactly_two_copies(cluster_factory):
+    """A node that never comes back: once its lease runs out the ring drops it and the survivors
+    copy its share to the new owners.  A node that joins: the chunks it now owns move to it, and
+    the copies whose holders no longer own them leave (each only once its owners hold it)."""
+    cluster = cluster_factory(nodes=3, lease_ttl=2, contract=Contract(chunk_size=16, replication=2))
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=2.0, failure_backoff=1.0) as client:
+        assert client.wait_for_nodes(3)
+        keys = [_key(i) for i in range(600)]
+        client.put_many([ChunkItem.of(k, _payload(i), (1, len(_payload(i))), "uint8", 16)
+                         for i, k in enumerate(keys)])
+        cluster.nodes[2].kill()
+        assert client.wait_for_nodes(2, timeout=10, exact=True)
+        wait_for(lambda: all(n == 2 for n in _copies(client, ["node-0", "node-1"]).values())
+                 and len(_copies(client, ["node-0", "node-1"])) == len(keys), 20, "2 copies on the survivors")
+        joined = cluster.add_node()
+        assert client.wait_for_nodes(3, exact=True)
+        members = ["node-0", "node-1", joined.node_id]
+        wait_for(lambda: all(sorted(holders) == sorted(client.owners(k))
+                             for k, holders in _placement(client, members, keys).items()),
+                 20, "every chunk on exactly its two owners")
+        assert [c is not None and bytes(c.data) == _payload(i) for i, c in enumerate(client.get(keys))] == \
+            [True] * len(keys)
+
+
+def _placement(client: ClusterClient, nodes: list[str], keys: list[bytes]) -> dict[bytes, list[str]]:
+    where: dict[bytes, list[str]] = {k: [] for k in keys}
+    for node_id in nodes:
+        for k, held in zip(keys, client.holders(node_id, keys)):
+            if held:
+                where[k].append(node_id)
+    return where
