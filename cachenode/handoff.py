@@ -101,8 +101,7 @@ class Handoff:
                 draining = self.state() in LEFT_RING_STATES
                 try:
                     if client is None:
-                        client = ClusterClient(self.etcd, contract=self.contract, handoff_window=0,
-                                               poll_interval=self.interval, timeout=2.0)
+                        client = ClusterClient(self.etcd, contract=self.contract, handoff_window=0, timeout=2.0)
                     if draining:
                         self._drain_step(client)
                     else:

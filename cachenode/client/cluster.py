@@ -7,7 +7,7 @@ Which thread runs what:
   hand-off to another thread.  Any number of threads may call at once (vLLM's worker is not
   asyncio);
 - ``lookup_async`` runs a lookup on one of the client's ``lookup_threads`` and returns a future;
-- one membership thread (``ringview.Membership``) follows etcd and publishes the ring.
+- one membership thread (``ringview.Membership``) watches etcd and publishes the ring.
 
 The parts: ``transport`` (connections and exchanges), ``ringview`` (members, ring, previous
 ring, failure marks), ``reads`` (lookup, locate, GET with failover and checksums), ``writes``
@@ -56,7 +56,7 @@ class ClusterClient:
         cluster: str = "default",
         contract: Contract | None = None,
         timeout: float = 5.0,
-        poll_interval: float = 0.5,
+        resync_interval: float = 30.0,
         failure_backoff: float = 5.0,
         handoff_window: float = 120.0,
         verify: bool = True,
@@ -69,7 +69,7 @@ class ClusterClient:
         self.marks = FailureMarks(failure_backoff)
         self.links = Links(connect_timeout=timeout, buffer_pool_bytes=buffer_pool_bytes)
         self._closed = False
-        self.membership = Membership(self.settings, contract, poll_interval, handoff_window, self._members_changed,
+        self.membership = Membership(self.settings, contract, resync_interval, handoff_window, self._members_changed,
                                      contract_wait)
         self._lookups = concurrent.futures.ThreadPoolExecutor(lookup_threads, thread_name_prefix="kvring-lookup")
         try:

@@ -1,9 +1,13 @@
 """The client's view of the cluster: members, the ring, the previous ring, failure marks.
 
-Threading contract: ``Membership`` runs one daemon thread with an asyncio loop that reads the
-members from etcd every ``poll_interval`` seconds (the only place the client touches etcd) and
-publishes an immutable ``RingView`` snapshot; callers on any thread read ``membership.view``
-once per call and route with it, so a call never sees half of a change.  ``FailureMarks`` is
+Threading contract: ``Membership`` runs one daemon thread with an asyncio loop (the only place
+the client touches etcd) that reads the cluster once and then **watches** its prefix: an idle
+client sends etcd nothing.  Each change publishes an immutable ``RingView`` snapshot; callers on
+any thread read ``membership.view`` once per call and route with it, so a call never sees half
+of a change.  When the watch breaks (etcd restarted, a connection lost) or its revision was
+compacted away, the client reads the whole cluster again and watches from there; it also does
+so every ``resync_interval`` seconds, which bounds how long a silently dead connection could
+hide a change.  ``FailureMarks`` is
 written and read by any thread (single dict operations, atomic under the GIL).
 
 After a ring change the old ring stays in the view as ``prev_ring`` for ``handoff_window``
@@ -13,8 +17,8 @@ with the last view it had.
 
 The contract is never a default: a client given none waits (up to ``contract_wait`` seconds)
 for the cluster's first node to record it, and fails with a clear error if none does.  Every
-poll reads it again: gone (etcd lost its data) keeps the one in use -- the nodes write it back --
-and a different one sets ``conflict``, which turns every read into a miss and every write into
+change of it is seen: gone (etcd lost its data) keeps the one in use -- the nodes write it back
+-- and a different one sets ``conflict``, which turns every read into a miss and every write into
 a no-op (the connector recomputes) until the process restarts with the cluster's contract.
 """
 
@@ -31,7 +35,7 @@ from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError
 from kvring.common.records import NodeRecord
 from kvring.common.ring import HashRing
-from kvring.membership.etcd import Etcd
+from kvring.membership.etcd import Change, Etcd, decode_record
 from kvring.membership.settings import EtcdSettings
 
 logger = logging.getLogger(__name__)
@@ -76,25 +80,28 @@ class FailureMarks:
 class Membership:
     """Follows a cluster's members in etcd (see the module docstring)."""
 
-    def __init__(self, settings: EtcdSettings, contract: Contract | None, poll_interval: float,
+    def __init__(self, settings: EtcdSettings, contract: Contract | None, resync_interval: float,
                  handoff_window: float, on_members: Callable[[dict[str, NodeRecord]], None],
                  contract_wait: float = 30.0) -> None:
         self.settings = settings
         self.contract = contract
         self.contract_wait = contract_wait
         self.conflict: str | None = None  # how the recorded contract differs from the one in use
-        self.poll_interval = poll_interval
+        self.resync_interval = resync_interval
         self.handoff_window = handoff_window
         self.on_members = on_members  # called (on the membership thread) before a new view is published
         self.view = RingView(HashRing({}, epoch=0))
         self.etcd_ok = False
         self.etcd_lost = False  # etcd answers but holds nothing of the cluster (lost its data)
+        self.resyncs = 0  # whole-cluster reads after the first (a broken or compacted watch, the interval)
         self.changed = threading.Condition()
         self._etcd = Etcd(settings)
+        self._members: dict[str, NodeRecord] = {}  # as etcd has them (the view may keep an older ring)
+        self._revision = 0  # the etcd revision the client is up to date with
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvring-membership", daemon=True)
         self._thread.start()
-        self._poller: asyncio.Future | None = None
+        self._follower: asyncio.Future | None = None
 
     def start(self, timeout: float) -> None:
         """Read (or record) the contract and the members once; then follow them."""
@@ -110,8 +117,8 @@ class Membership:
             self.contract = await self._wait_for_contract()
         else:
             self.contract = await self._etcd.ensure_contract(self.contract)
-        await self._refresh()
-        self._poller = asyncio.ensure_future(self._poll())
+        await self._resync()
+        self._follower = asyncio.ensure_future(self._follow())
 
     async def _wait_for_contract(self) -> Contract:
         deadline = time.monotonic() + self.contract_wait
@@ -153,22 +160,64 @@ class Membership:
                                self.settings.cluster)
         self.conflict = conflict
 
-    async def _poll(self) -> None:
+    async def _follow(self) -> None:
+        """Watch the cluster; after a break, or every ``resync_interval``, read it whole again."""
+        pause = 0.25
         while True:
-            await asyncio.sleep(self.poll_interval)
             try:
-                recorded = await self._etcd.read_contract()
-                await self._refresh(etcd_lost=recorded is None)
-                self._check_contract(recorded)
+                async with asyncio.timeout(self.resync_interval):
+                    async for change in self._etcd.changes(self._revision):
+                        self._apply(change)
+                        pause = 0.25
+            except TimeoutError:
+                pass  # the periodic resync
             except MembershipError as exc:
                 if self.etcd_ok:
-                    logger.warning("etcd unreachable (%s); routing with the last ring (epoch %d)",
+                    logger.warning("etcd watch lost (%s); routing with the last ring (epoch %d)",
                                    exc, self.view.ring.epoch)
                 self.etcd_ok = False
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 5.0)
+            try:
+                await self._resync()
+                self.resyncs += 1
+            except MembershipError as exc:
+                logger.debug("etcd resync failed: %s", exc)
+                self.etcd_ok = False
 
-    async def _refresh(self, etcd_lost: bool = False) -> None:
-        members, revision = await self._etcd.members()
+    async def _resync(self) -> None:
+        """Read the whole cluster (contract and members) and publish what changed."""
+        snap = await self._etcd.snapshot()
         self.etcd_ok = True
+        self._revision = snap.revision
+        if self.contract is not None:
+            self._check_contract(snap.contract)
+        self._members = dict(snap.members)
+        self._publish(snap.revision, etcd_lost=snap.contract is None)
+
+    def _apply(self, change: Change) -> None:
+        """One watched change: the contract, or a node record written or gone."""
+        self._revision = change.revision
+        if change.key == self.settings.key("contract"):
+            try:
+                recorded = Contract.from_json(change.value) if change.value is not None else None
+            except (ValueError, TypeError, AttributeError):
+                logger.error("ignoring an unreadable contract written to etcd at revision %d", change.revision)
+                return
+            self._check_contract(recorded)
+            return
+        prefix = self.settings.nodes_prefix
+        if not change.key.startswith(prefix):
+            return  # a drain request: the node follows its own
+        node_id = change.key[len(prefix):].decode(errors="replace")
+        if change.value is None:
+            self._members.pop(node_id, None)
+        elif (rec := decode_record(change.key, change.value)) is not None:
+            self._members[rec.node_id] = rec
+        self._publish(change.revision, etcd_lost=False)
+
+    def _publish(self, revision: int, etcd_lost: bool) -> None:
+        members = dict(self._members)
         old = self.view
         if members == old.members:
             return
@@ -206,8 +255,8 @@ class Membership:
 
     def close(self) -> None:
         async def shutdown() -> None:
-            if self._poller is not None:
-                self._poller.cancel()
+            if self._follower is not None:
+                self._follower.cancel()
             await self._etcd.close()
 
         try:

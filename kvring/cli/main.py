@@ -326,6 +326,24 @@ def bench_slow_node(
                         json_out=json_out, plot=plot)
 
 
+@bench_app.command("membership")
+def bench_membership(
+    clients: Annotated[int, typer.Option(help="Idle clients (ClusterClient), each with its own etcd connection.",
+                                         min=1)] = 50,
+    nodes: Annotated[int, typer.Option(help="Node processes.", min=1)] = 20,
+    window: Annotated[float, typer.Option(help="Seconds each idle window lasts.", min=1)] = 20.0,
+    repetitions: Annotated[int, typer.Option(help="Windows of each kind (alternating).", min=1)] = 3,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """etcd messages per second per idle client (etcd's own counters, the nodes' share subtracted),
+    and how long a node's join takes to reach every client."""
+    from kvring.bench.membership import MembershipSettings, run_bench_membership
+
+    run_bench_membership(MembershipSettings(clients=clients, nodes=nodes, window=window, repetitions=repetitions),
+                         json_out=json_out, plot=plot)
+
+
 @app.command()
 def trace(
     file: Annotated[Path, typer.Argument(help="Trace in Mooncake FAST'25 format (JSON lines).", exists=True)],

@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aetcd
@@ -40,6 +40,33 @@ from kvring.common.records import NodeRecord
 from .settings import EtcdSettings, check_node_id
 
 logger = logging.getLogger(__name__)
+
+
+def decode_record(key: bytes, value: bytes) -> NodeRecord | None:
+    """The node record stored at ``key``, or None (logged) if it is malformed."""
+    try:
+        return msgspec.json.decode(value, type=NodeRecord)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        logger.warning("ignoring a malformed node record at %s", key)
+        return None
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """A cluster's contract and members as of one etcd revision (one range read)."""
+
+    contract: Contract | None
+    members: dict[str, NodeRecord]
+    revision: int
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change under a cluster's prefix, as a watch delivers it."""
+
+    key: bytes
+    value: bytes | None  # None: the key was deleted
+    revision: int
 
 
 @dataclass(frozen=True)
@@ -80,9 +107,14 @@ class Etcd:
         except ContractMismatch:
             raise
         except Exception as exc:
-            self._client = None
-            await self._close(client)
+            await self._drop(client)
             raise MembershipError(f"etcd request failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _drop(self, client: aetcd.Client) -> None:
+        """Forget a connection that failed (the next call connects again, to the next endpoint)."""
+        if self._client is client:
+            self._client = None
+        await self._close(client)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -131,13 +163,49 @@ class Etcd:
         rng = await self.call(lambda c: c.get_prefix(self.settings.nodes_prefix))
         out: dict[str, NodeRecord] = {}
         for kv in rng:
-            try:
-                rec = msgspec.json.decode(kv.value, type=NodeRecord)
-            except msgspec.DecodeError:
-                logger.warning("ignoring a malformed node record at %s", kv.key)
-                continue
-            out[rec.node_id] = rec
+            rec = decode_record(kv.key, kv.value)
+            if rec is not None:
+                out[rec.node_id] = rec
         return out, rng.header.revision
+
+    async def snapshot(self) -> ClusterSnapshot:
+        """The contract and every node record, in one range read of the cluster's prefix."""
+        rng = await self.call(lambda c: c.get_prefix(self.settings.key("")))
+        contract_key, nodes = self.settings.key("contract"), self.settings.nodes_prefix
+        contract, members = None, {}
+        for kv in rng:
+            if kv.key == contract_key:
+                contract = Contract.from_json(kv.value)
+            elif kv.key.startswith(nodes) and (rec := decode_record(kv.key, kv.value)) is not None:
+                members[rec.node_id] = rec
+        return ClusterSnapshot(contract, members, rng.header.revision)
+
+    async def changes(self, after: int) -> AsyncIterator[Change]:
+        """Every change under the cluster's prefix after revision ``after``, as it happens (a
+        watch: no request while nothing changes).  Ends with ``MembershipError`` when the stream
+        breaks or ``after`` was compacted away; the caller reads a snapshot and watches again."""
+        client = await self.client()
+        try:
+            watch = await asyncio.wait_for(client.watch_prefix(self.settings.key(""), start_revision=after + 1),
+                                           self.settings.timeout * 2)
+        except Exception as exc:
+            await self._drop(client)
+            raise MembershipError(f"cannot watch etcd: {type(exc).__name__}: {exc}") from exc
+        try:
+            async for event in watch:
+                value = event.kv.value if event.kind == "PUT" else None
+                yield Change(event.kv.key, value, event.kv.mod_revision)
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            raise MembershipError(f"etcd compacted revision {after + 1} away") from exc
+        except Exception as exc:
+            await self._drop(client)
+            raise MembershipError(f"the etcd watch broke: {type(exc).__name__}: {exc}") from exc
+        finally:
+            try:
+                await asyncio.wait_for(watch.cancel(), 1.0)
+            except Exception:
+                pass
+        raise MembershipError("the etcd watch ended")
 
     async def claim_node(self, record: NodeRecord, lease_id: int, replacing: Holder | None = None) -> Holder | None:
         """Write ``record`` under ``lease_id`` if its node id is free -- or, with ``replacing``,

@@ -79,7 +79,7 @@ def test_killed_node_leaves_within_ttl_and_returns_to_its_keys(cluster_factory):
     ttl = 3
     cluster = cluster_factory(nodes=3, lease_ttl=ttl)
     keys = [os.urandom(16) for _ in range(10_000)]
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(3)
         owners_before = client.ring.owners_many(keys)
         victim = cluster.nodes[1]
@@ -122,7 +122,7 @@ def _fill_then_add_a_node(cluster, client, seed: int) -> tuple[dict[bytes, np.nd
 
 def test_reads_fall_back_to_the_previous_owner_after_a_ring_change(cluster_factory):
     cluster = cluster_factory(nodes=2, node_args=["--no-handoff"])  # the fallback alone
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         data, moved = _fill_then_add_a_node(cluster, client, seed=4)  # node-2 holds none of them
         assert client.lookup(moved) == [True] * len(moved)
         got = client.get(moved)
@@ -131,7 +131,7 @@ def test_reads_fall_back_to_the_previous_owner_after_a_ring_change(cluster_facto
 
 def test_chunks_are_handed_off_to_their_new_owner(cluster_factory):
     cluster = cluster_factory(nodes=2)
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         data, moved = _fill_then_add_a_node(cluster, client, seed=8)
 
         def settled():
@@ -150,7 +150,7 @@ def test_chunks_are_handed_off_to_their_new_owner(cluster_factory):
 def test_etcd_outage_keeps_data_plane_up_and_nodes_reregister():
     ttl = 2
     with LocalCluster(nodes=3, memory=64 * MiB, lease_ttl=ttl, cluster="outage") as cluster:
-        with ClusterClient(cluster.etcd, cluster="outage", poll_interval=0.1) as client:
+        with ClusterClient(cluster.etcd, cluster="outage") as client:
             assert client.wait_for_nodes(3)
             before = {n: client.stats()[n]["registrations"] for n in client.ring.nodes}
             cluster.local_etcd.stop()
@@ -220,7 +220,7 @@ def test_a_node_restarted_on_its_address_is_reached_at_once(cluster_factory):
     node = cluster.nodes[0]
     keys = [os.urandom(16) for _ in range(32)]
     data = np.arange(2048, dtype=np.uint8)
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(1)
         assert client.put_many([ChunkItem.of(k, data, [2, 1024], "uint8", 4) for k in keys]) == [1] * 32
         assert all(client.lookup(keys))  # the pool now holds an idle connection to the node

@@ -80,7 +80,7 @@ def test_etcd_wiped_the_contract_comes_back_and_nodes_stay_ready_while_it_is_dow
     try:
         with LocalCluster(nodes=2, etcd=etcd.endpoint, cluster="wiped", contract=REAL, lease_ttl=ttl,
                           memory=64 << 20) as cluster, \
-                ClusterClient(etcd.endpoint, cluster="wiped", poll_interval=0.2, timeout=2) as client:
+                ClusterClient(etcd.endpoint, cluster="wiped", timeout=2) as client:
             client.wait_for_nodes(2)
             assert client.contract == REAL
             assert all(client.put_many(_items(20, b"a")))
@@ -116,7 +116,7 @@ def test_a_contract_that_changes_under_a_client_stops_its_reads_and_writes(clust
     key = f"/kvring/{cluster.cluster}/contract".encode()
     items = _items(8, b"c")
     keys = [it.key for it in items]
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         client.wait_for_nodes(1)
         assert all(client.put_many(items)) and all(client.lookup(keys))
         other = Contract(chunk_size=128, replication=2)

@@ -71,7 +71,7 @@ def test_drain_through_etcd_hands_off_every_chunk(cluster_factory):
     cluster = cluster_factory(nodes=3)
     chunks = _chunks(300, seed=1)
     target = cluster.nodes[1]
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(3)
         _put(client, chunks)
         held = _stats(target)["chunks"]
@@ -108,7 +108,7 @@ def test_drain_over_the_admin_port_with_the_cli_then_cancel(cluster_factory):
     cluster = cluster_factory(nodes=2)
     chunks = _chunks(100, seed=2)
     target = cluster.nodes[0]
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, poll_interval=0.1) as client:
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(2)
         _put(client, chunks)
         assert _stats(target)["chunks"] > 0

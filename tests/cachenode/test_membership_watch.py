@@ -1,0 +1,85 @@
+"""Membership is watched, not polled (real etcd, real node processes): an idle client sends etcd
+nothing, sees changes at once, and follows the cluster across an etcd restart and a compaction."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from polling import wait_for
+
+from kvring.cachenode.client import ClusterClient
+from kvring.common.errors import MembershipError
+from kvring.local.cluster import LocalCluster, LocalEtcd
+from kvring.membership.etcd import Etcd
+from kvring.membership.settings import EtcdSettings
+
+
+def _count_requests(client: ClusterClient) -> list[int]:
+    """Count the etcd requests the client's membership sends from now on (every unary etcd call
+    goes through ``Etcd.call``; the watch is one long-lived stream)."""
+    etcd = client.membership._etcd
+    sent = [0]
+    call = etcd.call
+
+    async def counting(fn):
+        sent[0] += 1
+        return await call(fn)
+    etcd.call = counting
+    return sent
+
+
+def test_an_idle_client_sends_etcd_nothing_and_sees_joins_and_leaves_at_once(cluster_factory):
+    cluster = cluster_factory(nodes=1, lease_ttl=3)
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, resync_interval=3600) as client:
+        assert client.wait_for_nodes(1)
+        sent = _count_requests(client)
+        joined = cluster.add_node()
+        assert client.wait_for_nodes(2, timeout=2, exact=True)
+        joined.stop()  # SIGTERM revokes its lease: the record goes at once
+        assert client.wait_for_nodes(1, timeout=2, exact=True)
+        assert client.members.keys() == {"node-0"}
+        assert sent[0] == 0 and client.membership.resyncs == 0
+
+
+def test_a_client_follows_the_cluster_across_an_etcd_restart():
+    etcd = LocalEtcd().start()
+    try:
+        with LocalCluster(nodes=1, etcd=etcd.endpoint, cluster="restarted", lease_ttl=3, memory=64 << 20) as cluster, \
+                ClusterClient(etcd.endpoint, cluster="restarted", resync_interval=3600, timeout=2) as client:
+            assert client.wait_for_nodes(1)
+            etcd.stop()
+            wait_for(lambda: not client.etcd_ok, 10, "the client to notice etcd is gone")
+            assert client.wait_for_nodes(1, timeout=0.1)  # it keeps routing with the last ring
+            etcd.start()  # the same data, the same port
+            wait_for(lambda: client.etcd_ok, 15, "the client back on etcd")
+            cluster.add_node()
+            assert client.wait_for_nodes(2, timeout=5, exact=True)  # the watch is live again
+            assert client.membership.resyncs >= 1
+    finally:
+        etcd.close()
+
+
+def test_a_watch_from_a_compacted_revision_ends_with_a_clear_error(etcd_server):
+    """The client's answer to it (read the cluster again, watch from there) is what it does after
+    any broken watch; here the error itself, with a real compaction."""
+    settings = EtcdSettings.parse(etcd_server.endpoint, cluster="compacted")
+
+    async def run() -> str:
+        etcd = Etcd(settings)
+        try:
+            first = (await etcd.snapshot()).revision
+            for i in range(5):
+                await etcd.call(lambda c, i=i: c.put(settings.key("nodes", f"x{i}"), b"{}"))
+            now = (await etcd.snapshot()).revision
+            await etcd.call(lambda c: c.compact(now))
+            with pytest.raises(MembershipError) as err:
+                async for _ in etcd.changes(first):
+                    pass
+            await etcd.call(lambda c: c.delete_prefix(settings.key("")))
+            return str(err.value)
+        finally:
+            await etcd.close()
+
+    message = asyncio.run(run())
+    assert "compacted" in message
