@@ -257,7 +257,12 @@ class Membership:
         async def shutdown() -> None:
             if self._follower is not None:
                 self._follower.cancel()
+                await asyncio.gather(self._follower, return_exceptions=True)  # its watch cancelled
             await self._etcd.close()
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:  # gRPC's own tasks of the closed channel
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)

@@ -77,8 +77,8 @@ def run_bench_membership(settings: MembershipSettings, json_out: Path | None = N
                 time.sleep(1.0)  # let their start-up reads pass
                 with_clients.append(_rate(cluster.etcd, s.window))
                 progress.advance(task)
+                joined = cluster.add_node()  # returns once the node has registered
                 started = time.monotonic()
-                joined = cluster.add_node()
                 for c in clients:
                     c.wait_for_nodes(s.nodes + 1, timeout=30)
                 join_s.append(time.monotonic() - started)
