@@ -1,7 +1,8 @@
 """A node's admin HTTP port: health, metrics, stats, drain, and the admin API's key queries.
 
-- ``GET /healthz`` (the process is up), ``GET /readyz`` (serving: registered once and not
-  leaving the ring; 503 while draining, not while etcd is away), ``GET /metrics``
+- ``GET /healthz`` (the process is up), ``GET /readyz`` (serving: registered once, not
+  leaving the ring and its data plane answering its own check; 503 while draining or
+  unhealthy, not while etcd is away), ``GET /metrics``
   (Prometheus), ``GET /stats`` (JSON), ``GET /drain``;
 - ``POST /drain`` and ``DELETE /drain``: start or withdraw a drain, from loopback only (the
   pod's preStop hook; from elsewhere, drain through etcd, which the admin API guards);
@@ -9,7 +10,9 @@
   ``POST /v1/flush`` ``{"namespace": ...}`` -> ``{"deleted": n}``: what the admin API asks
   each node, so it never needs the data protocol's client;
 - ``POST /debug/corrupt?key=HEX``: with ``--fault-injection`` only, from loopback only: flip a
-  byte of a stored chunk, so tests can show a corrupt chunk is never loaded.
+  byte of a stored chunk, so tests can show a corrupt chunk is never loaded;
+  ``POST /debug/stall?seconds=S`` (same conditions): block the data loop that long, as a hung
+  handler would (the self-check's case).
 
 Threading contract: ``ThreadingHTTPServer`` answers on threads of its own; everything that
 touches the store runs on the node's I/O thread through ``Server.call``.
@@ -20,6 +23,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
@@ -75,6 +80,8 @@ def _handler_class(node: CacheNode):
                     self._json(200, {"deleted": self._flush(body)})
                 elif path == "/debug/corrupt":
                     self._json(200, self._corrupt())
+                elif path == "/debug/stall":
+                    self._json(202, self._stall())
                 elif self._drain_allowed(path):
                     node.drain.request("http")
                     self._json(202, node.drain.status())
@@ -107,11 +114,25 @@ def _handler_class(node: CacheNode):
             logger.info("flushed namespace %r: %d chunks (admin port)", namespace[:300], deleted)
             return deleted
 
-        def _corrupt(self) -> dict:
-            """Flip one byte of a stored chunk's first layer, leaving its checksums as they were."""
+        def _fault_injection(self) -> dict[str, str]:
+            """The request's query, if fault injection is on and the request comes from loopback."""
             if not node.config.fault_injection or not _is_loopback(self.client_address[0]):
                 raise _BadRequest(403, "fault injection is off (kvring node --fault-injection, loopback only)")
-            query = dict(p.split("=", 1) for p in self.path.partition("?")[2].split("&") if "=" in p)
+            return dict(p.split("=", 1) for p in self.path.partition("?")[2].split("&") if "=" in p)
+
+        def _stall(self) -> dict:
+            """Block the data loop for ``seconds`` (at most 60), from a thread of its own."""
+            try:
+                seconds = min(60.0, max(0.0, float(self._fault_injection().get("seconds", "5"))))
+            except ValueError:
+                raise _BadRequest(400, "give ?seconds=S") from None
+            threading.Thread(target=lambda: node.server.call(lambda: time.sleep(seconds), timeout=seconds + 5),
+                             daemon=True).start()
+            return {"stalled_s": seconds}
+
+        def _corrupt(self) -> dict:
+            """Flip one byte of a stored chunk's first layer, leaving its checksums as they were."""
+            query = self._fault_injection()
             try:
                 key = bytes.fromhex(query.get("key", ""))
             except ValueError:

@@ -45,6 +45,7 @@ from .http import make_http_server
 from .metrics import NodeMetrics
 from .policy import make_policy
 from .registration import Registration
+from .selfcheck import SelfCheck
 from .server import Server
 from .store import ChunkStore
 
@@ -71,6 +72,8 @@ class NodeConfig:
     repair_rate: int = 64 << 20  # bytes/s of copies restored to owners that lack them (0: no limit)
     repair_interval: float = 60.0  # seconds between repair passes without a ring change
     drain_poll: float = 1.0  # seconds between looks at this node's drain key in etcd
+    self_check_interval: float = 5.0  # seconds between PINGs of its own data plane (0: no check)
+    self_check_failures: int = 3  # PINGs missed in a row that take the node off the ring
     # Testing only: POST /debug/corrupt?key=HEX (from loopback) flips a stored byte, so tests can
     # show that a corrupt chunk is never loaded. Off unless --fault-injection is given.
     fault_injection: bool = False
@@ -90,6 +93,8 @@ class NodeConfig:
             raise ValueError("--repair-rate must be 0 (no limit) or a size per second, e.g. 64MiB")
         if not self.repair_interval > 0:
             raise ValueError("--repair-interval must be positive seconds")
+        if self.self_check_interval < 0 or self.self_check_failures < 1:
+            raise ValueError("--self-check-interval must be 0 (off) or positive seconds, failures at least 1")
         if not self.drain_poll > 0:
             raise ValueError("drain_poll must be positive seconds")
         make_policy(self.policy)
@@ -133,8 +138,13 @@ class CacheNode:
         threading.Thread(target=self.http.serve_forever, name="kvring-http", daemon=True).start()
         if self.config.etcd is None:
             return
+        check = None
+        if self.config.self_check_interval > 0:
+            interval = self.config.self_check_interval
+            check = SelfCheck(lambda: self.record, self._data_plane_health, interval,
+                              self.config.self_check_failures, timeout=min(2.0, interval))
         self.registration = Registration(self.config.etcd, self.record, self.config.contract,
-                                         self.config.lease_ttl, self.drain, self.config.drain_poll)
+                                         self.config.lease_ttl, self.drain, self.config.drain_poll, check)
         self.registration.on_fatal = self._registration_lost
         self.registration.start()  # raises ContractMismatch or NodeIdTaken
         if self.config.handoff:
@@ -151,17 +161,25 @@ class CacheNode:
         self.fatal = self.registration.fatal
         self.server.stop()
 
+    def _data_plane_health(self, healthy: bool) -> None:
+        """The self-check's verdict: off the ring while the data plane does not answer, back after."""
+        if not healthy and self.record.state == NodeState.ACTIVE:
+            self.set_state(NodeState.UNHEALTHY)
+        elif healthy and self.record.state == NodeState.UNHEALTHY:
+            self.set_state(NodeState.ACTIVE)
+
     def set_state(self, state: NodeState) -> None:
         self.record = msgspec.structs.replace(self.record, state=state)
         if self.registration is not None:
             self.registration.set_state(state)
 
     def ready(self) -> bool:
-        """Serving: registered once (clients can find it) and not leaving the ring.  etcd going
-        away later does not make a node unready: it keeps serving, and clients keep its ring."""
+        """Serving: registered once (clients can find it), not leaving the ring, and its data plane
+        answering its own check.  etcd going away later does not make a node unready: it keeps
+        serving, and clients keep its ring."""
         registered = self.config.etcd is None or (
             self.registration is not None and self.registration.registrar.registrations > 0)
-        return registered and self.record.state not in LEFT_RING_STATES
+        return registered and self.record.state.on_ring
 
     def stop(self) -> None:
         self.server.stop()

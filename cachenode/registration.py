@@ -5,8 +5,9 @@ a running node if that node's data port answers PING under the id (``answers_as`
 node refuses to start, else it takes the record over.
 
 Threading contract: one daemon thread runs an asyncio loop with the ``Registrar`` (keeps the
-record alive, re-registers after etcd outages) and a watcher of the node's drain key (a point
-read every ``drain_poll`` seconds, turned into ``Drain.request``/``cancel``).  Other threads
+record alive, re-registers after etcd outages), a watcher of the node's drain key (a point
+read every ``drain_poll`` seconds, turned into ``Drain.request``/``cancel``) and the node's
+``SelfCheck`` of its data plane.  Other threads
 call ``set_state`` and ``leave``, which hand their work to that loop.
 """
 
@@ -16,49 +17,25 @@ import asyncio
 import logging
 import threading
 
-import msgspec
-
-from kvring.common import protocol as P
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError, NodeIdTaken
-from kvring.common.records import NodeRecord, split_data_addr
+from kvring.common.records import NodeRecord
 from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd
 from kvring.membership.registrar import Registrar
 from kvring.membership.settings import EtcdSettings
 
 from .drain import Drain
-from .framing import MAGIC, PREFIX, pack
+from .probe import PROBE_TIMEOUT, answers_as
+from .selfcheck import SelfCheck
 
 logger = logging.getLogger(__name__)
 
-PROBE_TIMEOUT = 1.0  # how long a node holding our id has to answer PING
-
-
-async def answers_as(record: NodeRecord, timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether the node at ``record``'s data address answers PING as ``record.node_id``."""
-    try:
-        host, port = split_data_addr(record.data_addr)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, TimeoutError, ValueError):
-        return False
-    try:
-        writer.write(b"".join(pack(P.encode(P.Ping(rid=1)))))
-        magic, header_len, count, _ = PREFIX.unpack(await asyncio.wait_for(reader.readexactly(PREFIX.size), timeout))
-        if magic != MAGIC or count or header_len > 4096:
-            return False
-        reply = P.decode_reply(await asyncio.wait_for(reader.readexactly(header_len), timeout))
-        return isinstance(reply, P.Pong) and reply.node_id == record.node_id
-    except (OSError, TimeoutError, asyncio.IncompleteReadError, msgspec.DecodeError, msgspec.ValidationError):
-        return False
-    finally:
-        writer.close()
-
-
 class Registration:
     def __init__(self, settings: EtcdSettings, record: NodeRecord, contract: Contract, ttl: int,
-                 drain: Drain, drain_poll: float) -> None:
+                 drain: Drain, drain_poll: float, self_check: SelfCheck | None = None) -> None:
         self.settings = settings
+        self.self_check = self_check
         self.drain = drain
         self.drain_poll = drain_poll
         self.etcd = Etcd(settings)
@@ -134,6 +111,7 @@ class Registration:
             return
         ready.set()
         watcher = asyncio.ensure_future(self._watch_drain_key(Etcd(self.settings)))
+        checker = asyncio.ensure_future(self.self_check.run()) if self.self_check is not None else None
         try:
             await self.registrar.run()
         except (ContractMismatch, NodeIdTaken) as exc:
@@ -142,6 +120,8 @@ class Registration:
             self.on_fatal()
         finally:
             watcher.cancel()
+            if checker is not None:
+                checker.cancel()
 
     async def _watch_drain_key(self, etcd: Etcd) -> None:
         """Follow this node's drain key in etcd (a cheap point read every ``drain_poll`` seconds)."""

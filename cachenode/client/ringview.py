@@ -7,8 +7,8 @@ any thread read ``membership.view`` once per call and route with it, so a call n
 of a change.  When the watch breaks (etcd restarted, a connection lost) or its revision was
 compacted away, the client reads the whole cluster again and watches from there; it also does
 so every ``resync_interval`` seconds, which bounds how long a silently dead connection could
-hide a change.  ``FailureMarks`` is
-written and read by any thread (single dict operations, atomic under the GIL).
+hide a change.  ``FailureMarks`` (ejected nodes) is written and read by any thread (single
+dict operations, atomic under the GIL).
 
 After a ring change the old ring stays in the view as ``prev_ring`` for ``handoff_window``
 seconds: a key missed on its new owner is looked for on its previous owner, so moving
@@ -58,23 +58,42 @@ class RingView:
 
 
 class FailureMarks:
-    """Nodes that timed out or could not be reached, skipped for ``backoff`` seconds."""
+    """Nodes ejected from this client's routing after a connection failure or a timeout.
 
-    def __init__(self, backoff: float) -> None:
+    A node is skipped for ``backoff`` seconds after it fails, twice as long for each failure in
+    a row (a node that fails again as soon as it is retried), up to ``max_backoff``; then the
+    next request tries it again.  The streak starts over once a node has gone ``max_backoff``
+    without failing, or when its record changes (it registered again: ``forgive``).  Failures
+    of a node already ejected (requests that were in flight) do not lengthen its ejection.
+    """
+
+    def __init__(self, backoff: float, max_backoff: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.backoff = backoff
-        self._until: dict[str, float] = {}
+        self.clock = clock
+        self.max_backoff = max(backoff, max_backoff)
+        self.ejections = 0  # how many times a node was ejected (for metrics)
+        self._marks: dict[str, tuple[float, int]] = {}  # node -> (monotonic time it may be retried, streak)
 
     def alive(self, node_id: str) -> bool:
-        until = self._until.get(node_id)
-        return until is None or until < time.monotonic()
+        mark = self._marks.get(node_id)
+        return mark is None or mark[0] < self.clock()
 
     def mark(self, node_id: str, why: str) -> None:
-        if self.alive(node_id):
-            logger.warning("node %s marked failed for %.0fs: %s", node_id, self.backoff, why)
-        self._until[node_id] = time.monotonic() + self.backoff
+        now = self.clock()
+        until, streak = self._marks.get(node_id, (0.0, 0))
+        if until >= now:
+            return
+        if now - until > self.max_backoff:
+            streak = 0
+        streak += 1
+        wait = min(self.backoff * 2 ** (streak - 1), self.max_backoff)
+        self._marks[node_id] = (now + wait, streak)
+        self.ejections += 1
+        logger.warning("node %s ejected from routing for %.0fs (failure %d in a row): %s", node_id, wait, streak, why)
 
     def forgive(self, node_id: str) -> None:
-        self._until.pop(node_id, None)
+        self._marks.pop(node_id, None)
 
 
 class Membership:

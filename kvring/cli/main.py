@@ -56,8 +56,12 @@ def node(
                                                   "(0: no limit).")] = "64MiB",
     repair_interval: Annotated[float, typer.Option(help="Seconds between repair passes when the ring "
                                                         "does not change.")] = 60.0,
+    self_check_interval: Annotated[float, typer.Option(
+        help="Seconds between PINGs of its own data port; 3 missed in a row take the node off the ring until "
+             "it answers again (0: no check).", min=0)] = 5.0,
     fault_injection: Annotated[bool, typer.Option(
-        "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte.",
+        "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte, "
+                                  "POST /debug/stall?seconds=S blocks the data loop.",
         hidden=True)] = False,
     chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.")] = 256,
     vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).")] = 1024,
@@ -78,7 +82,8 @@ def node(
                              else min(256 << 20, _size(memory, "--memory"))), policy=policy,
             etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl, handoff=handoff,
             repair_rate=_size(repair_rate, "--repair-rate"),
-            repair_interval=repair_interval, fault_injection=fault_injection,
+            repair_interval=repair_interval, self_check_interval=self_check_interval,
+            fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

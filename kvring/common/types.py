@@ -14,16 +14,20 @@ class NodeState(enum.StrEnum):
 
     ``joining`` and ``active`` nodes are on the ring.  ``draining`` and ``drained`` nodes stay
     members (their records and addresses remain, reads may still reach them) but own no keys.
+    ``unhealthy``: the node's data plane failed its own check (``cachenode/selfcheck.py``); it
+    owns no keys until it answers again, and keeps its chunks.
     """
 
     JOINING = "joining"
     ACTIVE = "active"
     DRAINING = "draining"
     DRAINED = "drained"
+    UNHEALTHY = "unhealthy"
 
     @property
     def on_ring(self) -> bool:
-        return self not in LEFT_RING_STATES
+        return self not in OFF_RING_STATES
 
 
-LEFT_RING_STATES = frozenset({NodeState.DRAINING, NodeState.DRAINED})  # members that own no keys
+LEFT_RING_STATES = frozenset({NodeState.DRAINING, NodeState.DRAINED})  # leaving: their chunks move away
+OFF_RING_STATES = LEFT_RING_STATES | {NodeState.UNHEALTHY}  # members that own no keys
