@@ -7,8 +7,8 @@ other threads go through ``Server.call``); ``http.py``'s server answers on threa
 thread (``handoff.py``) moves chunks the node no longer owns.  SIGTERM or SIGINT stops the loop,
 revokes the lease (the node leaves the ring at once) and exits 0.
 
-Drain (``drain.py``): requested through etcd (``Etcd.request_drain``, polled every
-``drain_poll`` seconds) or by ``POST /drain`` on the admin port (from loopback only: that is
+Drain (``drain.py``): requested through etcd (``Etcd.request_drain``, whose key the node
+watches) or by ``POST /drain`` on the admin port (from loopback only: that is
 the pod's preStop hook).  The node sets its state ``draining`` (clients drop it from the ring;
 it keeps serving reads for their previous-owner fallback), the handoff thread moves every chunk
 to its new owner, and the node reports ``drained``.  ``/readyz`` answers 503 from the moment
@@ -71,7 +71,7 @@ class NodeConfig:
     handoff: bool = True
     repair_rate: int = 64 << 20  # bytes/s of copies restored to owners that lack them (0: no limit)
     repair_interval: float = 60.0  # seconds between repair passes without a ring change
-    drain_poll: float = 1.0  # seconds between looks at this node's drain key in etcd
+    drain_poll: float = 1.0  # seconds before the drain key is read again after its watch broke
     self_check_interval: float = 5.0  # seconds between PINGs of its own data plane (0: no check)
     self_check_failures: int = 3  # PINGs missed in a row that take the node off the ring
     # Testing only: POST /debug/corrupt?key=HEX (from loopback) flips a stored byte, so tests can

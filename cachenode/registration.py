@@ -5,8 +5,8 @@ a running node if that node's data port answers PING under the id (``answers_as`
 node refuses to start, else it takes the record over.
 
 Threading contract: one daemon thread runs an asyncio loop with the ``Registrar`` (keeps the
-record alive, re-registers after etcd outages), a watcher of the node's drain key (a point
-read every ``drain_poll`` seconds, turned into ``Drain.request``/``cancel``) and the node's
+record alive, re-registers after etcd outages), a watcher of the node's drain key (read once,
+then watched; each change turned into ``Drain.request``/``cancel``) and the node's
 ``SelfCheck`` of its data plane.  Other threads
 call ``set_state`` and ``leave``, which hand their work to that loop.
 """
@@ -124,19 +124,25 @@ class Registration:
                 checker.cancel()
 
     async def _watch_drain_key(self, etcd: Etcd) -> None:
-        """Follow this node's drain key in etcd (a cheap point read every ``drain_poll`` seconds)."""
+        """Follow this node's drain key in etcd: read it, then watch it (nothing sent while it
+        does not change); after a broken watch, read it again ``drain_poll`` seconds later."""
         try:
             while True:
                 try:
-                    requested = await etcd.drain_requested(self.node_id)
-                    if self._stopping.is_set():
-                        return  # shutting down: the state no longer changes
-                    if requested:
-                        self.drain.request("etcd")
-                    else:
-                        self.drain.cancel("etcd")
+                    requested, revision = await etcd.drain_request(self.node_id)
+                    self._drain_requested(requested)
+                    async for change in etcd.changes(revision, key=etcd.drain_key(self.node_id)):
+                        self._drain_requested(change.value is not None)
                 except MembershipError:
                     pass  # keep the current state; the registrar logs etcd outages
                 await asyncio.sleep(self.drain_poll)
         finally:
             await etcd.close()
+
+    def _drain_requested(self, requested: bool) -> None:
+        if self._stopping.is_set():
+            return  # shutting down: the state no longer changes
+        if requested:
+            self.drain.request("etcd")
+        else:
+            self.drain.cancel("etcd")

@@ -8,7 +8,7 @@ Layout under ``<prefix>/<cluster>/`` (default prefix ``/kvring``):
   kept alive at a third of it).  A node that dies stops refreshing; etcd deletes the record
   when the lease runs out and every client drops the node from its ring.
 - ``drain/<node-id>``: a drain request (no lease; JSON with the time it was asked for).  The
-  node polls for its key, sets its state ``draining`` (clients drop it from the ring, it keeps
+  node watches its key, sets its state ``draining`` (clients drop it from the ring, it keeps
   serving reads), hands every chunk to its new owners and then reports ``drained``.  Deleting
   the key (``cancel_drain``) before the node exits sends it back to ``active``.  A node that
   exits after reporting ``drained`` deletes its key itself: the request has been carried out,
@@ -180,14 +180,16 @@ class Etcd:
                 members[rec.node_id] = rec
         return ClusterSnapshot(contract, members, rng.header.revision)
 
-    async def changes(self, after: int) -> AsyncIterator[Change]:
-        """Every change under the cluster's prefix after revision ``after``, as it happens (a
-        watch: no request while nothing changes).  Ends with ``MembershipError`` when the stream
-        breaks or ``after`` was compacted away; the caller reads a snapshot and watches again."""
+    async def changes(self, after: int, key: bytes | None = None) -> AsyncIterator[Change]:
+        """Every change under the cluster's prefix (or of ``key`` alone) after revision ``after``,
+        as it happens (a watch: no request while nothing changes).  Ends with ``MembershipError``
+        when the stream breaks or ``after`` was compacted away; the caller reads again and
+        watches from there."""
         client = await self.client()
         try:
-            watch = await asyncio.wait_for(client.watch_prefix(self.settings.key(""), start_revision=after + 1),
-                                           self.settings.timeout * 2)
+            watching = client.watch(key, start_revision=after + 1) if key is not None else \
+                client.watch_prefix(self.settings.key(""), start_revision=after + 1)
+            watch = await asyncio.wait_for(watching, self.settings.timeout * 2)
         except Exception as exc:
             await self._drop(client)
             raise MembershipError(f"cannot watch etcd: {type(exc).__name__}: {exc}") from exc
@@ -234,13 +236,13 @@ class Etcd:
 
     async def request_drain(self, node_id: str) -> None:
         """Ask ``node_id`` to hand off its chunks and leave the ring (idempotent)."""
-        key = self.settings.key("drain", check_node_id(node_id))
+        key = self.drain_key(node_id)
         value = json.dumps({"requested_at": time.time()}).encode()
         await self.call(lambda c: c.put(key, value))
 
     async def cancel_drain(self, node_id: str) -> None:
         """Withdraw a drain request; a node still running goes back to ``active``."""
-        key = self.settings.key("drain", check_node_id(node_id))
+        key = self.drain_key(node_id)
         await self.call(lambda c: c.delete(key))
 
     async def drain_requests(self) -> set[str]:
@@ -250,9 +252,17 @@ class Etcd:
         return {kv.key[cut:].decode() for kv in rng}
 
     async def drain_requested(self, node_id: str) -> bool:
-        """Whether ``node_id`` has a pending drain request (what a node polls)."""
-        got = await self.call(lambda c: c.get(self.settings.key("drain", check_node_id(node_id))))
-        return got is not None
+        """Whether ``node_id`` has a pending drain request."""
+        return (await self.drain_request(node_id))[0]
+
+    async def drain_request(self, node_id: str) -> tuple[bool, int]:
+        """Whether ``node_id`` has a pending drain request, and the revision it was read at (to
+        watch its key from: ``changes(revision, key=drain_key(node_id))``)."""
+        rng = await self.call(lambda c: c.get_prefix(self.drain_key(node_id)))
+        return any(kv.key == self.drain_key(node_id) for kv in rng), rng.header.revision
+
+    def drain_key(self, node_id: str) -> bytes:
+        return self.settings.key("drain", check_node_id(node_id))
 
     async def delete_cluster(self) -> int:
         rng = await self.call(lambda c: c.delete_prefix(self.settings.key("")))
