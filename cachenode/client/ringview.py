@@ -1,7 +1,8 @@
 """The client's view of the cluster: members, the ring, the previous ring, failure marks.
 
-Threading contract: ``Membership`` runs one daemon thread with an asyncio loop (the only place
-the client touches etcd) that reads the cluster once and then **watches** its prefix: an idle
+Threading contract: ``Membership`` runs its tasks on the process's etcd loop
+(``kvring.membership.loop``, one daemon thread shared by every client of the process; the only
+place the client touches etcd): it reads the cluster once and then **watches** its prefix: an idle
 client sends etcd nothing.  Each change publishes an immutable ``RingView`` snapshot; callers on
 any thread read ``membership.view`` once per call and route with it, so a call never sees half
 of a change.  When the watch breaks (etcd restarted, a connection lost) or its revision was
@@ -36,6 +37,7 @@ from kvring.common.errors import ContractMismatch, MembershipError
 from kvring.common.records import NodeRecord
 from kvring.common.ring import HashRing
 from kvring.membership.etcd import Change, Etcd, decode_record
+from kvring.membership.loop import etcd_loop
 from kvring.membership.settings import EtcdSettings
 
 logger = logging.getLogger(__name__)
@@ -117,9 +119,7 @@ class Membership:
         self._etcd = Etcd(settings)
         self._members: dict[str, NodeRecord] = {}  # as etcd has them (the view may keep an older ring)
         self._revision = 0  # the etcd revision the client is up to date with
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvring-membership", daemon=True)
-        self._thread.start()
+        self._loop = etcd_loop()
         self._follower: asyncio.Future | None = None
 
     def start(self, timeout: float) -> None:
@@ -278,15 +278,8 @@ class Membership:
                 self._follower.cancel()
                 await asyncio.gather(self._follower, return_exceptions=True)  # its watch cancelled
             await self._etcd.close()
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in rest:  # gRPC's own tasks of the closed channel
-                task.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
         except Exception:
             pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
