@@ -39,7 +39,7 @@ from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.membership.settings import EtcdSettings
 
 from .client import ClusterClient
-from .repair import RateLimit, RepairPass, RepairProgress
+from .repair import RateLimit, RepairPass, RepairProgress, full_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,8 @@ class Handoff:
             trigger = self.next_trigger
         else:
             return
-        moved = self.pass_once(client, ring, trigger)
+        avoid = full_nodes(client.stats()) if trigger == "periodic" else frozenset()
+        moved = self.pass_once(client, ring, trigger, avoid=avoid)
         self.done_epoch = ring.epoch
         if moved:
             logger.info("handed off %d chunks after ring epoch %d", moved, ring.epoch)
@@ -157,14 +158,15 @@ class Handoff:
     def _blocked(self, reason: str, waiting: str) -> None:
         self.drain.reason, self.drain.waiting = reason, waiting
 
-    def pass_once(self, client: ClusterClient, ring: HashRing, trigger: str = "", draining: bool = False) -> int:
+    def pass_once(self, client: ClusterClient, ring: HashRing, trigger: str = "", draining: bool = False,
+                  avoid: frozenset[str] = frozenset()) -> int:
         """Run one repair pass on ``ring``; returns how many chunks left this node."""
         progress = self.repair
         progress.active, progress.trigger = True, trigger or "drain"
         progress.scanned = progress.missing = progress.copied = progress.copied_bytes = progress.unreachable = 0
         progress.started_at, progress.finished_at = time.time(), None
         repair = RepairPass(client, self.node_id, ring, progress, self._limit, self._stop, draining=draining,
-                            page=self.page, batch=self.batch)
+                            page=self.page, batch=self.batch, avoid=avoid)
         try:
             moved = repair.run()
         except KVRingError:

@@ -14,7 +14,9 @@ through the node's own keys; for each page it asks every other owner which of th
   one does -- the node is leaving and must not wait on a dead owner).
 
 An owner that does not answer is neither copied to nor counted: the pass is ``incomplete`` and
-the handoff thread runs it again soon.  Copies are read from this node and sent at most
+the handoff thread runs it again soon.  A periodic pass (no membership change) does not copy to
+an owner whose memory is at least ``FULL`` used: there a missing copy is most likely one that
+node evicted, and copying it back would only evict another, warmer chunk.  Copies are read from this node and sent at most
 ``RateLimit`` bytes per second (drains are not limited: the node is on its way out), so repair
 never crowds out serving.  ``RepairProgress`` is what ``/stats`` shows as ``repair``.
 """
@@ -35,6 +37,14 @@ from kvring.common.ring import HashRing
 from .client import ClusterClient
 
 logger = logging.getLogger(__name__)
+
+FULL = 0.9  # share of its budget above which a node gets no copies from periodic passes
+
+
+def full_nodes(stats: dict[str, dict]) -> frozenset[str]:
+    """Nodes (from ``ClusterClient.stats()``) using at least ``FULL`` of their budget."""
+    return frozenset(n for n, st in stats.items()
+                     if isinstance(st.get("used"), int) and st.get("capacity") and st["used"] >= FULL * st["capacity"])
 
 
 @dataclass
@@ -101,7 +111,7 @@ class RepairPass:
 
     def __init__(self, client: ClusterClient, node_id: str, ring: HashRing, progress: RepairProgress,
                  limit: RateLimit | None, stop: threading.Event, draining: bool = False, page: int = 1024,
-                 batch: int = 32) -> None:
+                 batch: int = 32, avoid: frozenset[str] = frozenset()) -> None:
         self.client = client
         self.node_id = node_id
         self.ring = ring
@@ -109,6 +119,7 @@ class RepairPass:
         self.limit = limit
         self.stop = stop
         self.draining = draining
+        self.avoid = avoid  # owners not to copy to (full ones, in a periodic pass)
         self.page = page
         self.batch = batch
         self.moved = 0  # chunks this node no longer owns, handed to their owners and deleted here
@@ -154,7 +165,8 @@ class RepairPass:
         send: dict[str, list[int]] = defaultdict(list)  # node -> positions to copy to it
         leaving: list[int] = []
         for i, owners in enumerate(v.owners):
-            lacking = [n for n in owners if n not in v.holders[i] and n not in v.unreachable[i]]
+            lacking = [n for n in owners if n not in v.holders[i] and n not in v.unreachable[i]
+                       and n not in self.avoid]
             owned = self.node_id in owners
             if owned and lacking and next(n for n in owners if n in v.holders[i]) != self.node_id:
                 lacking = []  # an earlier owner holds it and sends the copies

@@ -349,6 +349,25 @@ def bench_membership(
                          json_out=json_out, plot=plot)
 
 
+@bench_app.command("repair")
+def bench_repair(
+    chunks: Annotated[int, typer.Option(help="Chunks written (replication 2).", min=1)] = 1500,
+    chunk_bytes: Annotated[str, typer.Option(help="Bytes per chunk.")] = "256KiB",
+    repetitions: Annotated[int, typer.Option(help="Nodes killed and restarted empty, in turn, per rate.",
+                                             min=1)] = 3,
+    repair_rate: Annotated[list[str] | None, typer.Option(
+        help="The nodes' --repair-rate; give it again for more runs [default: 64MiB and 0 (no limit)].")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """Time and rate of restoring 2 copies after a node comes back empty, and the reads served meanwhile."""
+    from kvring.bench.repair import RepairSettings, run_bench_repair
+
+    rates = tuple(_size(r, "--repair-rate") for r in repair_rate) if repair_rate else RepairSettings.rates
+    run_bench_repair(RepairSettings(chunks=chunks, chunk_bytes=_size(chunk_bytes, "--chunk-bytes"),
+                                    repetitions=repetitions, rates=rates), json_out=json_out, plot=plot)
+
+
 @app.command()
 def trace(
     file: Annotated[Path, typer.Argument(help="Trace in Mooncake FAST'25 format (JSON lines).", exists=True)],

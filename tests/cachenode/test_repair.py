@@ -181,3 +181,24 @@ def _placement(client: ClusterClient, nodes: list[str], keys: list[bytes]) -> di
             if held:
                 where[k].append(node_id)
     return where
+
+
+def test_a_periodic_pass_copies_nothing_to_a_full_node(cluster_factory):
+    """On a node at 90 % of its budget or more, a missing copy is most likely one it evicted:
+    copying it back would only evict a warmer chunk, so periodic passes leave it alone."""
+    cluster = cluster_factory(nodes=2, memory=16 << 20, lease_ttl=3, contract=Contract(chunk_size=16, replication=2),
+                              node_args=["--repair-interval", "0.5"])
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(2)
+        keys = [b"full-%06d" % i for i in range(240)]  # 240 x 64 KiB: 94 % of 16 MiB on each node
+        payload = bytes(64 << 10)
+        for start in range(0, len(keys), 40):
+            client.put_many([ChunkItem.of(k, payload, (1, len(payload)), "uint8", 16) for k in keys[start:start + 40]])
+        wait_for(lambda: client.stats()["node-0"]["repair"]["passes"] >= 1, 10, "node-0's first repair pass")
+        assert client.delete(keys[:5], node="node-1") == 5
+        stats = client.stats()["node-1"]
+        assert stats["used"] >= 0.9 * stats["capacity"]
+        passes = client.stats()["node-0"]["repair"]["passes"]
+        wait_for(lambda: client.stats()["node-0"]["repair"]["passes"] >= passes + 3, 10, "three more periodic passes")
+        assert client.holders("node-1", keys[:5]) == [False] * 5
+        assert client.stats()["node-0"]["repair"]["trigger"] == "periodic"
