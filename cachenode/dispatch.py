@@ -49,7 +49,7 @@ class BadInputLog:
         self._next = 0.0
         self._next_traceback = 0.0
 
-    def bad(self, code: ErrorCode, peer: str, message: str) -> None:
+    def bad(self, code: ErrorCode | str, peer: str, message: str) -> None:
         self._counts[code] += 1
         self._last_detail = f"{peer}: {code}: {_short(message)}"
         self._maybe_log()
@@ -91,6 +91,7 @@ class Dispatcher:
         }
         server.handler = self.handle
         server.on_framing_error = self.framing_error
+        server.on_refused = self.refused
 
     # ---- entry points (called by the server) -------------------------------------------------
 
@@ -123,6 +124,11 @@ class Dispatcher:
         """A message the framing refused (before reading its body): answer, then the server closes."""
         self.bad_input.bad(exc.code, conn.peer, str(exc))
         self._error(conn, 0, exc.code, str(exc))
+
+    def refused(self, conn: Connection, exc: Exception) -> None:
+        """A peer that failed the TLS handshake: it never reached the protocol."""
+        self.metrics.refuse()
+        self.bad_input.bad("tls_refused", conn.peer, str(exc))
 
     # ---- replies ----------------------------------------------------------------------------
 

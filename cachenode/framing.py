@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import ssl
 import struct
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -37,6 +38,8 @@ PREFIX = struct.Struct("<4sIHI")
 RECV_BUFFER = 256 << 10  # a reader's receive buffer: many small messages per recv
 _DIRECT = 64 << 10  # segments this large are read straight into a buffer of their own
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+# A non-blocking socket (plain or TLS) that cannot move bytes now.
+WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class FramingError(KVRingError):
@@ -98,12 +101,14 @@ class SendQueue:
                 self.bytes += view.nbytes
 
     def write(self, sock: socket.socket) -> None:
-        """Write what the socket takes now (``sendmsg``); raises ``ConnectionClosed``."""
+        """Write what the socket takes now (``sendmsg``; over TLS, ``send`` of one buffer at a
+        time, which TLS cuts into records anyway); raises ``ConnectionClosed``."""
         views = self.views
+        tls = isinstance(sock, ssl.SSLSocket)
         while views:
             try:
-                sent = sock.sendmsg(list(itertools.islice(views, _IOV_MAX)))
-            except (BlockingIOError, InterruptedError):
+                sent = sock.send(views[0]) if tls else sock.sendmsg(list(itertools.islice(views, _IOV_MAX)))
+            except WOULD_BLOCK:
                 return
             except OSError as exc:
                 raise ConnectionClosed(f"send failed: {exc}") from None
@@ -143,10 +148,21 @@ class FrameReader:
         self.received = 0  # bytes the last ``read`` got (0: nothing was there)
 
     def read(self, sock: socket.socket) -> list[Message]:
-        """One ``recv_into`` (the socket is non-blocking) and every message it completes.
+        """One ``recv_into`` (the socket is non-blocking) and every message it completes; over
+        TLS, more while the TLS layer holds decrypted bytes (a poll would not see those).
 
         Raises ``ConnectionClosed`` on EOF or a broken connection, ``FramingError`` on input
         beyond the limits; returns ``[]`` if nothing could be read yet."""
+        messages = self._read_once(sock)
+        if isinstance(sock, ssl.SSLSocket):
+            got = self.received
+            while self.received and sock.pending():
+                messages += self._read_once(sock)
+                got += self.received
+            self.received = got
+        return messages
+
+    def _read_once(self, sock: socket.socket) -> list[Message]:
         try:
             if self._target is not None:
                 n = sock.recv_into(memoryview(self._target)[self._filled:])
@@ -154,7 +170,7 @@ class FrameReader:
                 if self._end == len(self._buf):
                     self._compact()
                 n = sock.recv_into(self._view[self._end:])
-        except (BlockingIOError, InterruptedError):
+        except WOULD_BLOCK:
             self.received = 0
             return []
         except OSError as exc:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from kvring.common.contract import Contract
 from kvring.common.errors import KVRingError
 from kvring.common.ring import HashRing
+from kvring.common.tls import ClusterCredentials
 from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.membership.settings import EtcdSettings
 
@@ -61,7 +62,7 @@ class Handoff:
     def __init__(self, node_id: str, etcd: EtcdSettings, contract: Contract, state: Callable[[], str],
                  held: Callable[[], int], on_drained: Callable[[], None], interval: float = 1.0,
                  batch: int = 32, page: int = 1024, repair_rate: int = 64 << 20, repair_interval: float = 60.0,
-                 retry: float = 5.0) -> None:
+                 retry: float = 5.0, tls: ClusterCredentials | None = None) -> None:
         self.node_id = node_id
         self.etcd = etcd
         self.contract = contract
@@ -73,6 +74,7 @@ class Handoff:
         self.page = page
         self.repair_interval = repair_interval
         self.retry = retry
+        self.tls = tls
         self.moved = 0
         self.done_epoch = 0
         self.next_pass = 0.0  # monotonic time of the next pass without a ring change, and why
@@ -101,7 +103,8 @@ class Handoff:
                 draining = self.state() in LEFT_RING_STATES
                 try:
                     if client is None:
-                        client = ClusterClient(self.etcd, contract=self.contract, handoff_window=0, timeout=2.0)
+                        client = ClusterClient(self.etcd, contract=self.contract, handoff_window=0, timeout=2.0,
+                                               tls=self.tls)
                     if draining:
                         self._drain_step(client)
                     else:

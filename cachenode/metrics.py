@@ -35,6 +35,13 @@ class NodeMetrics:
         self._op_latency = {op: self.latency.labels(op) for op in OPS}
         self._errors = {code: self.errors.labels(code) for code in ErrorCode}
         self.error_tally = dict.fromkeys(ErrorCode, 0)
+        self.refused = Counter("kvring_node_tls_refused", "Connections refused at the TLS handshake (no or wrong "
+                               "cluster credentials, or plain text)", registry=r)
+        self.refused_count = 0
+
+    def refuse(self) -> None:
+        self.refused.inc()
+        self.refused_count += 1
 
     def observe(self, op: str, seconds: float) -> None:
         hist = self._op_latency.get(op)

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from kvring.common import protocol as P
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, NodeIdTaken
 from kvring.common.records import NodeRecord
+from kvring.common.tls import ClusterCredentials, CredentialsError
 from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.membership.settings import EtcdSettings
 
@@ -77,6 +79,12 @@ class NodeConfig:
     # Testing only: POST /debug/corrupt?key=HEX (from loopback) flips a stored byte, so tests can
     # show that a corrupt chunk is never loaded. Off unless --fault-injection is given.
     fault_injection: bool = False
+    tls: ClusterCredentials | None = None  # the cluster's credentials: mutual TLS on the data port
+
+    @property
+    def client_tls(self) -> ssl.SSLContext | None:
+        """What this node's own clients (handoff, probes) connect with."""
+        return self.tls.client_context() if self.tls is not None else None
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -110,7 +118,8 @@ class CacheNode:
         limits = FrameLimits(max_header=P.MAX_HEADER_BYTES, max_payloads=4, max_payload=config.max_chunk_bytes,
                              max_total=config.max_chunk_bytes)
         self.server = Server(config.host, config.data_port, handler=lambda conn, msg: None, limits=limits,
-                             allocate=self.buffers.take)
+                             allocate=self.buffers.take,
+                             tls=config.tls.server_context() if config.tls is not None else None)
         self.data_port = self.server.port
         self.dispatcher = Dispatcher(config.node_id, self.store, self.metrics, self.server,
                                      config.max_chunk_bytes, self.stats)
@@ -142,16 +151,17 @@ class CacheNode:
         if self.config.self_check_interval > 0:
             interval = self.config.self_check_interval
             check = SelfCheck(lambda: self.record, self._data_plane_health, interval,
-                              self.config.self_check_failures, timeout=min(2.0, interval))
+                              self.config.self_check_failures, timeout=min(2.0, interval), tls=self.config.client_tls)
         self.registration = Registration(self.config.etcd, self.record, self.config.contract,
-                                         self.config.lease_ttl, self.drain, self.config.drain_poll, check)
+                                         self.config.lease_ttl, self.drain, self.config.drain_poll, check,
+                                         tls=self.config.client_tls)
         self.registration.on_fatal = self._registration_lost
         self.registration.start()  # raises ContractMismatch or NodeIdTaken
         if self.config.handoff:
             self.handoff = Handoff(self.config.node_id, self.config.etcd, self.config.contract,
                                    state=lambda: self.record.state, held=lambda: len(self.store),
                                    on_drained=self.drain.drained, repair_rate=self.config.repair_rate,
-                                   repair_interval=self.config.repair_interval)
+                                   repair_interval=self.config.repair_interval, tls=self.config.tls)
             self.drain.handoff = self.handoff
             if self.record.state in LEFT_RING_STATES:
                 self.handoff.reset_drain()
@@ -224,6 +234,8 @@ class CacheNode:
             "namespaces": len(self.store.namespaces()),
             "drain": self.drain.status(),
             "connections": len(self.server.conns),
+            "tls": self.config.tls is not None,
+            "tls_refused": self.metrics.refused_count,
             "uptime_s": round(time.time() - self.started, 3),
             "pid": os.getpid(),
         }
@@ -231,7 +243,11 @@ class CacheNode:
 
 def run_node(config: NodeConfig) -> int:
     """Run a node until SIGTERM/SIGINT; prints one READY line with its addresses for launchers."""
-    node = CacheNode(config)
+    try:
+        node = CacheNode(config)
+    except CredentialsError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
     try:
         node.start_background()
     except (ContractMismatch, NodeIdTaken) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import msgspec
 
@@ -14,11 +15,12 @@ from .framing import MAGIC, PREFIX, pack
 PROBE_TIMEOUT = 1.0  # how long a node holding our id has to answer PING
 
 
-async def answers_as(record: NodeRecord, timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether the node at ``record``'s data address answers PING as ``record.node_id``."""
+async def answers_as(record: NodeRecord, timeout: float = PROBE_TIMEOUT, tls: ssl.SSLContext | None = None) -> bool:
+    """Whether the node at ``record``'s data address answers PING as ``record.node_id`` (over
+    TLS with the cluster's credentials, if given)."""
     try:
         host, port = split_data_addr(record.data_addr)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), timeout)
     except (OSError, TimeoutError, ValueError):
         return False
     try:

@@ -14,7 +14,9 @@ call ``set_state`` and ``leave``, which hand their work to that loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import ssl
 import threading
 
 from kvring.common.contract import Contract
@@ -33,13 +35,14 @@ logger = logging.getLogger(__name__)
 
 class Registration:
     def __init__(self, settings: EtcdSettings, record: NodeRecord, contract: Contract, ttl: int,
-                 drain: Drain, drain_poll: float, self_check: SelfCheck | None = None) -> None:
+                 drain: Drain, drain_poll: float, self_check: SelfCheck | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.settings = settings
         self.self_check = self_check
         self.drain = drain
         self.drain_poll = drain_poll
         self.etcd = Etcd(settings)
-        self.registrar = Registrar(self.etcd, record, contract, ttl=ttl, holder_alive=answers_as)
+        self.registrar = Registrar(self.etcd, record, contract, ttl=ttl, holder_alive=functools.partial(answers_as, tls=tls))
         self.node_id = record.node_id
         self.fatal: str | None = None  # a contract mismatch, or the node id held by another node: stop
         self._fatal_error: Exception | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 
 from kvring.common.records import NodeRecord
@@ -26,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 class SelfCheck:
     def __init__(self, record: Callable[[], NodeRecord], on_change: Callable[[bool], None], interval: float = 5.0,
-                 failures: int = 3, timeout: float = 2.0) -> None:
+                 failures: int = 3, timeout: float = 2.0, tls: ssl.SSLContext | None = None) -> None:
         self.record = record
+        self.tls = tls
         self.on_change = on_change  # called with False when the node goes unhealthy, True when it recovers
         self.interval = interval
         self.failures = failures
@@ -42,7 +44,7 @@ class SelfCheck:
 
     async def check_once(self) -> None:
         record = self.record()
-        ok = await answers_as(record, self.timeout)
+        ok = await answers_as(record, self.timeout, self.tls)
         self.missed = 0 if ok else self.missed + 1
         if self.healthy and self.missed >= self.failures:
             self.healthy = False

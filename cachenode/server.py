@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-from .framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, Message, SendQueue
+from .framing import WOULD_BLOCK, ConnectionClosed, FrameLimits, FrameReader, FramingError, Message, SendQueue
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,11 @@ Frames = list  # the buffers of one framed message (see ``framing.pack``)
 class Connection:
     """One client connection: its reader, its send queue and its streamed replies."""
 
-    __slots__ = ("sock", "peer", "reader", "out", "streams", "closing", "events")
+    __slots__ = ("sock", "peer", "reader", "out", "streams", "closing", "events", "handshaking")
 
     def __init__(self, sock: socket.socket, peer: str, limits: FrameLimits, allocate) -> None:
         self.sock = sock
+        self.handshaking = isinstance(sock, ssl.SSLSocket)  # a TLS handshake is still under way
         self.peer = peer
         self.reader = FrameReader(limits, allocate=allocate)
         self.out = SendQueue()
@@ -52,8 +54,11 @@ class Connection:
 
 class Server:
     def __init__(self, host: str, port: int, handler: Callable[[Connection, Message], None],
-                 limits: FrameLimits, allocate: Callable[[int], object] | None = None) -> None:
+                 limits: FrameLimits, allocate: Callable[[int], object] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls  # the cluster's credentials: every connection must complete a TLS handshake
+        self.refused = 0  # connections refused at the TLS handshake (no or bad credentials, plain text)
         self.limits = limits
         self.allocate = allocate  # where large payloads are read into (see ``FrameReader``)
         self.listener = socket.create_server((host, port), backlog=512, reuse_port=False)
@@ -73,6 +78,7 @@ class Server:
         # Called with the connection and the error before the connection is closed (the node
         # answers with the error's code there).
         self.on_framing_error: Callable[[Connection, FramingError], None] = lambda conn, exc: None
+        self.on_refused: Callable[[Connection, Exception], None] = lambda conn, exc: None  # a failed TLS handshake
 
     # ---- other threads ---------------------------------------------------------------------
 
@@ -103,6 +109,9 @@ class Server:
                 for fd, mask in self.epoll.poll(timeout):
                     conn = by_fd.get(fd)
                     if conn is not None:
+                        if conn.handshaking:
+                            self._handshake(conn)
+                            continue
                         if mask & select.EPOLLOUT:
                             self._flush(conn)
                         if mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and conn in self.conns:
@@ -136,10 +145,36 @@ class Server:
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             conn = Connection(sock, f"{addr[0]}:{addr[1]}", self.limits, self.allocate)
             self.conns.add(conn)
             self._by_fd[sock.fileno()] = conn
             self.epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _handshake(self, conn: Connection) -> None:
+        """Drive a TLS handshake on: done, wait for the socket, or refuse the peer."""
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._watch(conn, select.EPOLLIN)
+            return
+        except ssl.SSLWantWriteError:
+            self._watch(conn, select.EPOLLOUT)
+            return
+        except (ssl.SSLError, OSError) as exc:
+            self.refused += 1
+            self.on_refused(conn, exc)
+            self._close(conn)
+            return
+        conn.handshaking = False
+        self._watch(conn, select.EPOLLIN)
+        self._read(conn)  # what came with the handshake's last flight
+
+    def _watch(self, conn: Connection, events: int) -> None:
+        if events != conn.events and conn in self.conns:
+            conn.events = events
+            self.epoll.modify(conn.sock.fileno(), events)
 
     def _run_calls(self) -> None:
         try:
@@ -182,7 +217,7 @@ class Server:
             data = frames[0]
             try:
                 sent = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
+            except WOULD_BLOCK:
                 sent = 0
             except OSError:
                 self._close(conn)
@@ -231,11 +266,8 @@ class Server:
             return
         # Reading pauses while the replies already queued are not taken (a client that sends
         # requests and never reads the answers holds a bounded queue, then nothing more).
-        events = (select.EPOLLOUT if out else 0) | (
-            select.EPOLLIN if out.bytes < SEND_WATERMARK and not conn.closing else 0)
-        if events != conn.events and conn in self.conns:
-            conn.events = events
-            self.epoll.modify(conn.sock.fileno(), events)
+        self._watch(conn, (select.EPOLLOUT if out else 0) | (
+            select.EPOLLIN if out.bytes < SEND_WATERMARK and not conn.closing else 0))
 
     def _close(self, conn: Connection) -> None:
         if conn not in self.conns:

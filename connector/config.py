@@ -25,6 +25,9 @@ class ConnectorConfig:
     etcd: str
     # Cluster name: the key prefix in etcd.
     cluster: str = "default"
+    # Directory of the cluster's credentials (ca.crt, tls.crt, tls.key), for a cluster whose
+    # nodes require TLS ("": plain TCP).  `kvring up` prints it; on Kubernetes the chart mounts it.
+    tls_dir: str = ""
     # layerwise: load layer l+1.. while layer l computes; bulk: load all layers before the forward;
     # async: load between steps while the request waits (a slow load delays that request only).
     load_mode: str = "layerwise"

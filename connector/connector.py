@@ -19,6 +19,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvring.cachenode.client import ClusterClient
 from kvring.common.errors import ContractMismatch
 from kvring.common.hashing import FORMAT_VERSION, HASH_ALGORITHM
+from kvring.common.tls import ClusterCredentials
 
 from .config import ConnectorConfig
 from .instance import check_kv_groups, layout_from_vllm
@@ -31,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 def connect(config: ConnectorConfig) -> ClusterClient:
     """A cluster client whose hashing contract matches ours, or ``ContractMismatch``."""
-    client = ClusterClient(config.etcd, cluster=config.cluster, timeout=config.timeout)
+    tls = ClusterCredentials.at(config.tls_dir) if config.tls_dir else None
+    client = ClusterClient(config.etcd, cluster=config.cluster, timeout=config.timeout, tls=tls)
     c = client.contract
     diff = []
     if c.hash_algorithm != HASH_ALGORITHM:

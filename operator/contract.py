@@ -14,7 +14,7 @@ from typing import Any
 
 from kvring.common.contract import transfer_config
 
-from .naming import cluster_key, etcd_endpoints
+from .naming import TLS_MOUNT, cluster_key, etcd_endpoints
 from .spec import ClusterSpec
 
 CONFIG_HASH_ANNOTATION = "kvring.io/config-hash"
@@ -26,8 +26,9 @@ ADMIN_SECRET_KEY = "admin-token-secret"
 
 def connector_config(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
     """The exact ``--kv-transfer-config`` object a vLLM deployment needs to use this cluster."""
+    tls = {"tls_dir": TLS_MOUNT} if spec.tls else {}  # where the chart's vLLM pods mount <name>-tls
     return transfer_config(",".join(etcd_endpoints(name, namespace, spec)), cluster_key(name, namespace),
-                           chunk_size=spec.chunk_size)
+                           chunk_size=spec.chunk_size, **tls)
 
 
 def connector_json(name: str, namespace: str, spec: ClusterSpec) -> str:

@@ -30,6 +30,7 @@ import aiohttp
 import kopf
 
 from kvring.common.errors import MembershipError
+from kvring.common.tls import credentials_pem
 from kvring.membership.etcd import Etcd
 from kvring.membership.settings import EtcdSettings
 
@@ -145,6 +146,8 @@ class CacheClusterHandlers:
                 kopf.info(body, reason="ScaleIn", message=scaling.describe(plan.scale_in))
 
         results = []
+        if cs.tls:
+            results.append(("Secret", render.tls_secret(name), await self._ensure_tls_secret(name, namespace, body)))
         for child in render.render_children(name, namespace, cs, replicas=plan.replicas):
             kopf.adopt(child, owner=body)
             try:
@@ -169,6 +172,22 @@ class CacheClusterHandlers:
                                               [st.Condition("ConfigMismatch", False, "SpecValid")],
                                               generation, st.now_iso()),
         })
+
+    async def _ensure_tls_secret(self, name: str, namespace: str, body: kopf.Body) -> str:
+        """Create ``<name>-tls`` with fresh credentials if it does not exist; never rewrite it
+        (new keys would cut every node off from every client until all had restarted)."""
+        assert self.kube is not None
+        try:
+            if await self.kube.get("v1", "Secret", namespace, render.tls_secret(name)) is not None:
+                return "unchanged"
+            secret = render.render_tls_secret(name, namespace, credentials_pem(f"{namespace}/{name}"))
+            kopf.adopt(secret, owner=body)
+            await self.kube.create(secret)
+            return "created"
+        except KubeError as exc:
+            if exc.status == 409:  # created meanwhile (another reconcile): that one stands
+                return "unchanged"
+            raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
 
     async def _get_statefulset(self, name: str, namespace: str) -> dict[str, Any] | None:
         assert self.kube is not None

@@ -33,6 +33,14 @@ def config_map(name: str) -> str:
     return f"{name}-config"
 
 
+def tls_secret(name: str) -> str:
+    """``<name>-tls``: the cluster's data-plane credentials (``ca.crt``, ``tls.crt``, ``tls.key``)."""
+    return f"{name}-tls"
+
+
+TLS_MOUNT = "/etc/kvring/tls"  # where nodes (and the chart's vLLM pods) mount that Secret
+
+
 def etcd_name(name: str) -> str:
     """The managed etcd's StatefulSet and client Service."""
     return f"{name}-etcd"

@@ -17,7 +17,16 @@ from .contract import (
     connector_config,
     connector_json,
 )
-from .naming import cluster_key, etcd_endpoints, labels, node_id, nodes_service, selector, selector_labels
+from .naming import (
+    cluster_key,
+    etcd_endpoints,
+    labels,
+    node_id,
+    nodes_service,
+    selector,
+    selector_labels,
+    tls_secret,
+)
 from .render_etcd import render_etcd
 from .render_nodes import (
     node_resources,
@@ -27,6 +36,7 @@ from .render_nodes import (
     render_headless_service,
     render_pdb,
     render_statefulset,
+    render_tls_secret,
 )
 from .spec import ClusterSpec, check_name
 
@@ -34,8 +44,8 @@ __all__ = [
     "ADMIN_SECRET_KEY", "CONFIG_HASH_ANNOTATION", "TRANSFER_CONFIG_KEY", "cluster_key", "config_data", "config_hash",
     "connector_config", "connector_json", "etcd_endpoints", "labels", "node_id", "node_resources",
     "nodes_service", "pod_memory", "render_children", "render_client_service", "render_configmap",
-    "render_etcd", "render_headless_service", "render_pdb", "render_statefulset", "selector",
-    "selector_labels",
+    "render_etcd", "render_headless_service", "render_pdb", "render_statefulset", "render_tls_secret", "selector",
+    "selector_labels", "tls_secret",
 ]
 
 

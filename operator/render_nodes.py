@@ -13,12 +13,23 @@ get them evicted.
 
 from __future__ import annotations
 
+import base64
 import copy
 import math
 from typing import Any
 
 from .contract import CONFIG_HASH_ANNOTATION, config_data, config_hash
-from .naming import cluster_key, config_map, etcd_endpoints, labels, node_host, nodes_service, selector_labels
+from .naming import (
+    TLS_MOUNT,
+    cluster_key,
+    config_map,
+    etcd_endpoints,
+    labels,
+    node_host,
+    nodes_service,
+    selector_labels,
+    tls_secret,
+)
 from .spec import ClusterSpec
 
 MiB = 1 << 20
@@ -62,6 +73,7 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
         "--replication", str(spec.replication),
         "--lease-ttl", str(spec.lease_ttl),
         "--policy", spec.policy,
+        *(("--tls-dir", TLS_MOUNT) if spec.tls else ()),
     ]
 
 
@@ -95,7 +107,8 @@ def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
         "resources": node_resources(spec),
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         *([{"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}] if spec.tls else [])],
     }
 
 
@@ -148,7 +161,9 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
                     "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
                                         "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [_container(name, namespace, spec)],
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                                *([{"name": "tls", "secret": {"secretName": tls_secret(name), "defaultMode": 0o440}}]
+                                  if spec.tls else [])],
                     **_scheduling(name, spec),
                 },
             },
@@ -180,6 +195,19 @@ def render_client_service(name: str, namespace: str, spec: ClusterSpec) -> dict[
         "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
         "spec": {"type": "ClusterIP", "selector": selector_labels(name), "ports": _ports(spec)},
+    }
+
+
+def render_tls_secret(name: str, namespace: str, files: dict[str, bytes]) -> dict[str, Any]:
+    """``<name>-tls``: the cluster's data-plane credentials (``kvring.common.tls.credentials_pem``),
+    made once when the Secret does not exist and never rewritten (that would cut every node off
+    from every client until all had restarted)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": tls_secret(name), "namespace": namespace, "labels": labels(name)},
+        "type": "kubernetes.io/tls",
+        "data": {key: base64.b64encode(value).decode() for key, value in sorted(files.items())},
     }
 
 

@@ -103,6 +103,7 @@ class ClusterSpec:
     tolerations: tuple[dict[str, Any], ...] = ()
     affinity: dict[str, Any] | None = None
     topology_spread: tuple[dict[str, Any], ...] = ()
+    tls: bool = True  # mutual TLS on the data plane, with credentials in the Secret <name>-tls
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | None) -> ClusterSpec:
@@ -113,7 +114,7 @@ class ClusterSpec:
 _SPEC_KEYS = ("replicas", "image", "imagePullPolicy", "memoryPerNode", "resources", "chunkSize",
               "virtualNodes", "replication", "evictionPolicy", "leaseTtlSeconds", "drainTimeoutSeconds",
               "etcd", "authSecret", "ports", "nodeSelector", "tolerations", "affinity",
-              "topologySpreadConstraints")
+              "topologySpreadConstraints", "tls")
 
 
 class _Reader:
@@ -148,6 +149,7 @@ class _Reader:
             "tolerations": self._tolerations(s.get("tolerations")),
             "affinity": self._affinity(s.get("affinity")),
             "topology_spread": self._spread(s.get("topologySpreadConstraints")),
+            "tls": self._enum(s, "tls", True, (True, False)),
         }
         values["memory_per_node_raw"], values["memory_per_node"] = self._memory(s)
         values["data_port"], values["admin_port"] = self._ports(s.get("ports"))
@@ -187,7 +189,8 @@ class _Reader:
 
     def _enum(self, obj: dict, key: str, default: Any, allowed: tuple, where: str = "spec") -> Any:
         value = obj.get(key, default)
-        if isinstance(value, bool) or type(value) is not type(allowed[0]) or value not in allowed:
+        if isinstance(value, bool) is not isinstance(allowed[0], bool) or type(value) is not type(allowed[0]) \
+                or value not in allowed:
             self.problems.append(f"{where}.{key} must be one of {', '.join(map(str, allowed))}; "
                                  f"got {value!r}")
             return default

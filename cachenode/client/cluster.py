@@ -26,6 +26,7 @@ from kvring.common.contract import Contract
 from kvring.common.errors import KVRingError
 from kvring.common.records import NodeRecord
 from kvring.common.ring import HashRing
+from kvring.common.tls import ClusterCredentials
 from kvring.membership.settings import EtcdSettings
 
 from .reads import Chunk, LayerBatch, Reads
@@ -46,7 +47,8 @@ class ClusterClient:
     ``failure_backoff`` seconds.  ``verify`` checks every layer's checksum on read.  Large
     payloads are read into slabs (up to ``buffer_pool_bytes``) that are reused once the caller
     has dropped every view of them, so reads do not pay for fresh memory each time
-    (``reserve_buffers`` maps them ahead).
+    (``reserve_buffers`` maps them ahead).  ``tls``: the cluster's credentials
+    (``ClusterCredentials.at(dir)``), for a cluster whose nodes run with ``--tls-dir``.
     """
 
     def __init__(
@@ -63,11 +65,13 @@ class ClusterClient:
         lookup_threads: int = 4,
         buffer_pool_bytes: int = 256 << 20,
         contract_wait: float = 30.0,
+        tls: ClusterCredentials | None = None,
     ) -> None:
         self.settings = etcd if isinstance(etcd, EtcdSettings) else EtcdSettings.parse(etcd, cluster=cluster)
         self.timeout = timeout
         self.marks = FailureMarks(failure_backoff)
-        self.links = Links(connect_timeout=timeout, buffer_pool_bytes=buffer_pool_bytes)
+        self.links = Links(connect_timeout=timeout, buffer_pool_bytes=buffer_pool_bytes,
+                           tls=tls.client_context() if tls is not None else None)
         self._closed = False
         self.membership = Membership(self.settings, contract, resync_interval, handoff_window, self._members_changed,
                                      contract_wait)

@@ -21,6 +21,7 @@ import itertools
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -75,13 +76,21 @@ class Connection:
 
     __slots__ = ("node_id", "sock", "reader", "out", "streamed", "outstanding", "heard", "poller")
 
-    def __init__(self, node_id: str, host: str, port: int, timeout: float, buffers: SlabPool) -> None:
+    def __init__(self, node_id: str, host: str, port: int, timeout: float, buffers: SlabPool,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.node_id = node_id
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise NodeUnavailable(f"cannot connect to node {node_id} at {host}:{port}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:  # the handshake runs here, within ``timeout``
+            try:
+                self.sock = tls.wrap_socket(self.sock)
+            except (ssl.SSLError, OSError) as exc:
+                self.sock.close()
+                raise NodeUnavailable(f"TLS handshake with node {node_id} at {host}:{port} failed: {exc} (are "
+                                      "this client's cluster credentials the node's?)") from None
         self.sock.setblocking(False)
         self.poller = select.poll()  # this socket alone, for POLLIN (reused: one wait costs one syscall)
         self.poller.register(self.sock.fileno(), select.POLLIN)
@@ -103,7 +112,8 @@ class Connection:
 class NodeLink:
     """One node's address and its idle connections (shared by threads)."""
 
-    def __init__(self, node_id: str, data_addr: str, connect_timeout: float, buffers: SlabPool) -> None:
+    def __init__(self, node_id: str, data_addr: str, connect_timeout: float, buffers: SlabPool,
+                 tls: ssl.SSLContext | None = None) -> None:
         try:
             self.host, self.port = split_data_addr(data_addr)
         except ValueError as exc:
@@ -112,6 +122,7 @@ class NodeLink:
         self.data_addr = data_addr
         self.connect_timeout = connect_timeout
         self.buffers = buffers
+        self.tls = tls
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self.closed = False
@@ -122,7 +133,7 @@ class NodeLink:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return Connection(self.node_id, self.host, self.port, self.connect_timeout, self.buffers)
+                return Connection(self.node_id, self.host, self.port, self.connect_timeout, self.buffers, self.tls)
             if not conn.stale():
                 return conn
             conn.close()  # the node closed it (it restarted, or it dropped an idle client)
@@ -145,8 +156,9 @@ class NodeLink:
 class Links:
     """Every member's ``NodeLink``, replaced as membership changes."""
 
-    def __init__(self, connect_timeout: float, buffer_pool_bytes: int) -> None:
+    def __init__(self, connect_timeout: float, buffer_pool_bytes: int, tls: ssl.SSLContext | None = None) -> None:
         self.connect_timeout = connect_timeout
+        self.tls = tls  # the cluster's credentials (client side), or None for plain TCP
         # Where large payloads handed to callers are read into, reused once they drop them.
         self.buffers = SlabPool(buffer_pool_bytes)
         self._links: dict[str, NodeLink] = {}
@@ -168,7 +180,7 @@ class Links:
             for node_id, addr in addresses.items():
                 if node_id not in links:
                     try:
-                        links[node_id] = NodeLink(node_id, addr, self.connect_timeout, self.buffers)
+                        links[node_id] = NodeLink(node_id, addr, self.connect_timeout, self.buffers, self.tls)
                     except ValueError as exc:
                         logger.warning("ignoring member: %s", exc)
             self._links = links

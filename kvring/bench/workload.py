@@ -13,6 +13,7 @@ from rich.table import Table
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
 from kvring.common.hashing import chained_hashes
+from kvring.common.tls import ClusterCredentials
 from kvring.common.units import format_size
 
 # A small Llama-like layout: 6 layers x (K, V) x 256 tokens x 4 KV heads x 64 head_dim, bf16.
@@ -25,7 +26,8 @@ def _kv_for(key: bytes) -> np.ndarray:
     return rng.integers(0, 1 << 16, size=LAYOUT, dtype=np.uint16)
 
 
-def demo_workload(etcd: str, cluster: str, echo: Callable[[str], None] = print) -> bool:
+def demo_workload(etcd: str, cluster: str, echo: Callable[[str], None] = print,
+                  tls: ClusterCredentials | None = None) -> bool:
     console = Console()
     rng = np.random.default_rng(0)
     system = rng.integers(0, 32000, size=1024).tolist()  # a shared 4-chunk system prompt
@@ -36,7 +38,7 @@ def demo_workload(etcd: str, cluster: str, echo: Callable[[str], None] = print) 
     }
     prompts["user A again"] = prompts["user A"] + rng.integers(0, 32000, size=300).tolist()
     ok = True
-    with ClusterClient(etcd, cluster=cluster) as client:
+    with ClusterClient(etcd, cluster=cluster, tls=tls) as client:
         client.wait_for_nodes(1)
         chunk_size = client.contract.chunk_size
         table = Table(title="prompts through kvring (chunk size %d tokens)" % chunk_size)

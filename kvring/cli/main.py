@@ -23,6 +23,9 @@ app.add_typer(bench_app, name="bench")
 
 EtcdOpt = Annotated[str, typer.Option("--etcd", help="etcd endpoints, host:port[,host:port].")]
 ClusterOpt = Annotated[str, typer.Option("--cluster", help="Cluster name (a key prefix in etcd).")]
+TlsDirOpt = Annotated[Path | None, typer.Option(
+    "--tls-dir", envvar="KVRING_TLS_DIR",
+    help="The cluster's credentials (ca.crt, tls.crt, tls.key), for a cluster whose nodes require TLS.")]
 
 
 def _size(value: str, flag: str) -> int:
@@ -56,6 +59,7 @@ def node(
                                                   "(0: no limit).")] = "64MiB",
     repair_interval: Annotated[float, typer.Option(help="Seconds between repair passes when the ring "
                                                         "does not change.")] = 60.0,
+    tls_dir: TlsDirOpt = None,
     self_check_interval: Annotated[float, typer.Option(
         help="Seconds between PINGs of its own data port; 3 missed in a row take the node off the ring until "
              "it answers again (0: no check).", min=0)] = 5.0,
@@ -68,9 +72,10 @@ def node(
     replication: Annotated[int, typer.Option(help="Contract: owners per chunk.")] = 1,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Run one cache node: the ZMQ data port, the HTTP admin port, and registration in etcd."""
+    """Run one cache node: the TCP data port, the HTTP admin port, and registration in etcd."""
     from kvring.cachenode.node import NodeConfig, run_node
     from kvring.common.contract import Contract
+    from kvring.common.tls import ClusterCredentials
     from kvring.membership.settings import EtcdSettings
 
     _logging(verbose)
@@ -83,7 +88,7 @@ def node(
             etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl, handoff=handoff,
             repair_rate=_size(repair_rate, "--repair-rate"),
             repair_interval=repair_interval, self_check_interval=self_check_interval,
-            fault_injection=fault_injection,
+            tls=ClusterCredentials.at(tls_dir) if tls_dir else None, fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -100,6 +105,8 @@ def up(
     demo: Annotated[bool, typer.Option("--demo", help="Run a short workload, then stop.")] = False,
     admin: Annotated[bool, typer.Option(help="Also serve the admin API on loopback.")] = True,
     admin_port: Annotated[int, typer.Option(help="Admin API port (0: any free port).")] = 0,
+    tls: Annotated[bool, typer.Option(help="Generate cluster credentials and require them on the data ports "
+                                           "(--no-tls: plain TCP, e.g. for benchmarks).")] = True,
 ) -> None:
     """Start a local cluster (etcd + N nodes + the admin API on loopback) until Ctrl-C/SIGTERM."""
     import os
@@ -112,7 +119,7 @@ def up(
     # The admin token: KVRING_ADMIN_TOKEN if set, else a fresh one printed below.
     token = os.environ.get("KVRING_ADMIN_TOKEN") or secrets.token_hex(16)
     cluster_ = LocalCluster(nodes=nodes, memory=_size(memory, "--memory"), etcd=etcd, cluster=cluster,
-                            contract=contract, admin=admin, admin_port=admin_port, admin_token=token)
+                            contract=contract, admin=admin, admin_port=admin_port, admin_token=token, tls=tls)
     stop = {"now": False}
 
     def on_signal(*_):
@@ -129,17 +136,22 @@ def up(
         typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
         for n in cluster_.nodes:
             typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
-        transfer = json.dumps(transfer_config(cluster_.etcd, cluster))
+        tls_extra = {"tls_dir": str(cluster_.tls.directory)} if cluster_.tls is not None else {}
+        transfer = json.dumps(transfer_config(cluster_.etcd, cluster, **tls_extra))
         typer.echo("Point vLLM at it:")
         typer.echo(f"  vllm serve MODEL --kv-transfer-config '{transfer}'")
-        typer.echo(f"  (or KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster} with an empty kv_connector_extra_config)")
+        env = f"KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster}" + (
+            f" KVRING_TLS_DIR={cluster_.tls.directory}" if cluster_.tls is not None else "")
+        typer.echo(f"  (or {env} with an empty kv_connector_extra_config)")
+        if cluster_.tls is not None:
+            typer.echo(f"The data ports require the cluster's credentials in {cluster_.tls.directory} (--no-tls: plain TCP)")
         typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
         if cluster_.admin is not None:
             typer.echo(f"Admin API: {cluster_.admin.url} (docs {cluster_.admin.url}/docs); drain and flush need "
                        f"'Authorization: Bearer {token}'")
         if demo:
             from kvring.bench.workload import demo_workload
-            demo_workload(cluster_.etcd, cluster, echo=typer.echo)
+            demo_workload(cluster_.etcd, cluster, echo=typer.echo, tls=cluster_.tls)
             return
         typer.echo("Press Ctrl-C to stop.")
         exited: set[str] = set()
@@ -184,15 +196,18 @@ def ring(
     etcd: EtcdOpt,
     cluster: ClusterOpt = "default",
     key: Annotated[list[str] | None, typer.Option("--key", help="Show the owners of this key (hex, or text).")] = None,
+    tls_dir: TlsDirOpt = None,
 ) -> None:
     """Show the ring: members, epoch, balance, and the owners of given keys."""
     from rich.console import Console
     from rich.table import Table
 
     from kvring.cachenode.client import ClusterClient
+    from kvring.common.tls import ClusterCredentials
 
     console = Console()
-    with ClusterClient(etcd, cluster=cluster, contract_wait=0) as client:  # inspecting: no wait for a contract
+    tls = ClusterCredentials.at(tls_dir) if tls_dir else None
+    with ClusterClient(etcd, cluster=cluster, contract_wait=0, tls=tls) as client:  # inspecting: no contract wait
         r = client.ring
         shares = r.shares()
         stats = client.stats()
@@ -366,6 +381,18 @@ def bench_repair(
     rates = tuple(_size(r, "--repair-rate") for r in repair_rate) if repair_rate else RepairSettings.rates
     run_bench_repair(RepairSettings(chunks=chunks, chunk_bytes=_size(chunk_bytes, "--chunk-bytes"),
                                     repetitions=repetitions, rates=rates), json_out=json_out, plot=plot)
+
+
+@bench_app.command("tls")
+def bench_tls(
+    repetitions: Annotated[int, typer.Option(help="Interleaved rounds per size.", min=1)] = 15,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+) -> None:
+    """PUT and GET throughput (3 MiB and 32 MiB chunks) of a node requiring mutual TLS next to a plain one."""
+    from kvring.bench.tls import TlsSettings, run_bench_tls
+
+    run_bench_tls(TlsSettings(repetitions=repetitions), json_out=json_out, plot=plot)
 
 
 @app.command()

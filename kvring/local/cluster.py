@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from kvring.common.contract import Contract
+from kvring.common.tls import ClusterCredentials, generate
 
 logger = logging.getLogger(__name__)
 
@@ -245,11 +246,17 @@ class LocalCluster:
     def __init__(self, nodes: int = 3, memory: int = 1 << 30, etcd: str | None = None,
                  cluster: str = "default", lease_ttl: int = 10, contract: Contract | None = None,
                  node_args: list[str] | None = None, admin: bool = False, admin_port: int = 0,
-                 admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, tls: bool = False) -> None:
         self.local_etcd = None if etcd else LocalEtcd()
         self.etcd = etcd or self.local_etcd.endpoint
         self.cluster = cluster
         self.contract = contract or Contract()
+        # With ``tls``: fresh cluster credentials in a temporary directory of their own (removed
+        # on close); the nodes require them, and clients pass ``self.tls``.
+        self.tls: ClusterCredentials | None = None
+        if tls:
+            self.tls = generate(tempfile.mkdtemp(prefix="kvring-tls-"), cluster)
+            node_args = [*(node_args or []), "--tls-dir", str(self.tls.directory)]
         self.nodes = [NodeProcess(f"node-{i}", memory, self.etcd, cluster, lease_ttl, self.contract,
                                   list(node_args or [])) for i in range(nodes)]
         self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token) if admin else None
@@ -298,6 +305,8 @@ class LocalCluster:
             node.stop()
         if self.local_etcd is not None:
             self.local_etcd.close()
+        if self.tls is not None:
+            shutil.rmtree(self.tls.directory, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

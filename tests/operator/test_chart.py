@@ -121,6 +121,7 @@ def test_rbac_is_least_privilege():
         ("apps", "statefulsets"): write,
         ("", "services"): write,
         ("", "configmaps"): write,
+        ("", "secrets"): {"get", "create"},  # the data-plane credentials: made once, never read back out
         ("policy", "poddisruptionbudgets"): write,
         ("", "pods"): {"get", "list", "watch"},
         ("", "events"): {"create", "patch"},
@@ -234,6 +235,27 @@ def test_vllm_reads_the_connector_settings_of_its_cachecluster():
     ref = env["KV_TRANSFER_CONFIG"]["valueFrom"]["configMapKeyRef"]
     assert ref["name"] == configmap["metadata"]["name"]
     assert json.loads(configmap["data"][ref["key"]])["kv_connector"] == "KVRingConnector"
+
+
+def test_vllm_mounts_the_credentials_where_its_connector_settings_look():
+    """The operator's Secret for the CacheCluster, mounted where the ConfigMap's tls_dir points,
+    and the connector's own config reader accepts those settings."""
+    from kvring.connector.config import ConnectorConfig
+    from kvring.operator.naming import tls_secret
+
+    docs = by_kind(template(*SCENARIOS["vllm"]))
+    pod = docs[("Deployment", "kv-kvring-vllm")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    spec = ClusterSpec.from_dict(docs[("CacheCluster", "kv-cache")]["spec"])
+    assert spec.tls  # on by default
+    configmap = next(o for o in render_children("kv-cache", NAMESPACE, spec) if o["kind"] == "ConfigMap")
+    extra = json.loads(configmap["data"]["kv-transfer-config"])["kv_connector_extra_config"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (name,) = [n for n, v in volumes.items() if "secret" in v]
+    assert volumes[name]["secret"]["secretName"] == tls_secret("kv-cache")
+    assert mounts[name]["mountPath"] == extra["tls_dir"] and mounts[name]["readOnly"]
+    assert ConnectorConfig.from_sources(extra, environ={}).tls_dir == extra["tls_dir"]
 
 
 def test_admin_api_reads_its_cachecluster_and_token():

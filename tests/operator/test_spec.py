@@ -182,6 +182,7 @@ INVALID_EXPECTED = {
                                 "topologySpreadConstraints[0].topologyKey is required"),
     "toleration-operator.yaml": ("spec.tolerations.0.operator", "'Maybe' is not one of",
                                  "tolerations[0].operator must be one of Exists, Equal"),
+    "tls-not-boolean.yaml": ("spec.tls", "'yes' is not of type 'boolean'", "spec.tls must be one of True, False"),
     "unknown-field.yaml": ("spec", "('replica' was unexpected)", "spec.replica is not a known field; did you mean replicas?"),
     "vnodes-zero.yaml": ("spec.virtualNodes", "0 is less than the minimum of 1", "virtualNodes must be between 1 and 65536"),
     "zero-replication.yaml": ("spec.replication", "0 is less than the minimum of 1", "replication must be between 1 and 16"),

@@ -73,6 +73,10 @@ capabilities:
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, list, watch, create, patch, update, delete]
+# Each CacheCluster's data-plane credentials (<name>-tls): created once, never rewritten.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, update, delete]

@@ -1,0 +1,113 @@
+"""`kvring bench tls`: what the encrypted data plane costs, next to the plain one.
+
+One run: two 1-node clusters on one local etcd, one whose node requires the cluster's
+credentials (mutual TLS 1.3) and one on plain TCP, each with its client.  Every repetition
+PUTs, then GETs (whole, and streamed layer by layer) ``chunks`` chunks of each size on both,
+the two systems interleaved (their order alternating), every byte read back compared.
+Reported: GB/s medians over the repetitions with their spread, and the TLS/plain ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvring.bench.report import grouped_bars, write_outputs
+from kvring.common.chunk import ChunkItem
+from kvring.common.units import format_size
+from kvring.local.cluster import LocalCluster, LocalEtcd
+
+SYSTEMS = ("plain", "tls")
+OPS = ("PUT", "GET whole", "GET stream")
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    sizes: tuple[int, ...] = (3 << 20, 32 << 20)
+    chunks: int = 8
+    layers: int = 32
+    repetitions: int = 15
+
+
+def _round(client, items: list[ChunkItem], data: bytes) -> dict[str, float]:
+    """Seconds of one PUT, one whole GET and one streamed GET of ``items``."""
+    keys = [it.key for it in items]
+    t0 = time.perf_counter()
+    assert all(client.put_many(items))
+    t1 = time.perf_counter()
+    chunks = client.get(keys)
+    t2 = time.perf_counter()
+    if any(c is None or c.data.nbytes != len(data) or bytes(c.data[:4096]) != data[:4096] for c in chunks):
+        raise RuntimeError("a chunk came back wrong")
+    got = 0
+    for batch in client.iter_layers(keys):
+        got += sum(memoryview(v).nbytes for v in batch.views)
+    t3 = time.perf_counter()
+    if got != len(data) * len(keys):
+        raise RuntimeError(f"streamed {got} bytes, expected {len(data) * len(keys)}")
+    client.delete(keys)
+    return {"PUT": t1 - t0, "GET whole": t2 - t1, "GET stream": t3 - t2}
+
+
+def _measure(etcd: str, s: TlsSettings, gbps: dict, console: Console) -> None:
+    from kvring.cachenode.client import ClusterClient
+
+    memory = max(s.sizes) * s.chunks * 2 + (256 << 20)
+    with LocalCluster(nodes=1, memory=memory, etcd=etcd, cluster="bench-plain"), \
+            LocalCluster(nodes=1, memory=memory, etcd=etcd, cluster="bench-tls", tls=True) as tls, \
+            ClusterClient(etcd, cluster="bench-plain") as plain_client, \
+            ClusterClient(etcd, cluster="bench-tls", tls=tls.tls) as tls_client, \
+            Progress(console=console) as progress:
+        clients = {"plain": plain_client, "tls": tls_client}
+        for c in clients.values():
+            c.wait_for_nodes(1)
+            c.reserve_buffers(min(256 << 20, max(s.sizes) * s.chunks))
+        task = progress.add_task("interleaved rounds", total=s.repetitions * len(s.sizes))
+        for rep in range(s.repetitions):
+            for size in s.sizes:
+                data = np.random.default_rng(size + rep).bytes(size)
+                items = [ChunkItem.of(b"tls-bench-%d-%d" % (size, i), data, (s.layers, size // s.layers), "uint8", 256)
+                         for i in range(s.chunks)]
+                for name in (SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]):
+                    for op, seconds in _round(clients[name], items, data).items():
+                        gbps[format_size(size)][op][name].append(size * s.chunks / seconds / 1e9)
+                progress.advance(task)
+
+
+def run_bench_tls(settings: TlsSettings, json_out: Path | None = None, plot: Path | None = None) -> dict:
+    console = Console(width=150)
+    s = settings
+    gbps: dict[str, dict[str, dict[str, list[float]]]] = {
+        format_size(size): {op: {sys: [] for sys in SYSTEMS} for op in OPS} for size in s.sizes}
+    etcd = LocalEtcd().start()
+    try:
+        _measure(etcd.endpoint, s, gbps, console)
+    finally:
+        etcd.close()
+    results = {"settings": {"sizes": list(s.sizes), "chunks": s.chunks, "layers": s.layers,
+                            "repetitions": s.repetitions}, "gbps": gbps}
+    table = Table(title=f"1 node over loopback, plain TCP vs mutual TLS 1.3: GB/s, median of {s.repetitions} "
+                        f"interleaved rounds of {s.chunks} chunks (min-max)")
+    for col in ("size", "operation", "plain", "tls", "tls / plain"):
+        table.add_column(col, justify="right")
+    for size, ops in gbps.items():
+        for op, by in ops.items():
+            med = {sys: statistics.median(v) for sys, v in by.items()}
+            table.add_row(size, op, *(f"{med[sys]:.2f} ({min(by[sys]):.2f}-{max(by[sys]):.2f})" for sys in SYSTEMS),
+                          f"{med['tls'] / med['plain']:.2f}")
+    console.print(table)
+
+    def draw(res: dict, path: Path) -> None:
+        groups = [f"{op} {size}" for size, ops in res["gbps"].items() for op in ops]
+        series = {sys: [statistics.median(by[sys]) for ops in res["gbps"].values() for by in ops.values()]
+                  for sys in SYSTEMS}
+        grouped_bars(path, groups, series, "GB/s", title="Data plane: plain TCP vs mutual TLS (1 node, loopback)")
+    write_outputs(console, results, json_out, plot, draw)
+    return results
