@@ -19,7 +19,7 @@ bearer = HTTPBearer(auto_error=False, scheme_name="AdminToken",
                     description="The admin token given to `kvring admin` (--token or KVRING_ADMIN_TOKEN).")
 
 
-def require_token(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+async def require_token(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
     settings: AdminSettings = request.app.state.settings
     if settings.token is None:
         raise HTTPException(status.HTTP_403_FORBIDDEN,

@@ -1,14 +1,19 @@
-"""The admin API's connections to one cluster, opened once and kept for the app's lifetime.
+"""``ClusterHandle``: the admin API's view of, and connections to, one cluster.
 
-- an ``Etcd`` (asyncio, on the app's loop) for fresh reads of membership, the contract and
-  drain requests, and for writing drain requests -- so an etcd outage is reported, not hidden;
-- an ``httpx.AsyncClient`` for each node's admin port: its ``/stats``, and the key queries
-  ``POST /v1/present`` and ``POST /v1/flush``.  The admin never speaks the data protocol (the
-  import contracts keep it that way): owners come from the ring it builds from etcd's members
-  with the cluster's contract, exactly as every client builds it.
+One per app, made by its lifespan.  Handlers call it on the serving loop (uvicorn's); none of its
+methods blocks that loop or waits on etcd or a node there:
 
-The admin may start before etcd, before the cluster's contract exists, or before the first node:
-each request reads what it needs then.
+- reads answer from the cached view (``view.py``), read in the background on the view thread
+  (the process's etcd loop), where the admin's etcd client lives;
+- the mutating endpoints' fresh etcd reads and their writes (drain requests) run on that same
+  thread, bounded by the etcd client's timeouts, and poke the view to be read again at once;
+- questions to the nodes (``queries.py``: presence for lookups and key owners, flushes) run on
+  the queries thread (``kvring-admin-queries``), a bounded number at a time, within a timeout.
+
+The admin never speaks the data protocol (the import contracts keep it that way): owners come
+from the ring it builds from etcd's members with the cluster's contract, exactly as every
+client builds it.  It may start before etcd, before the contract exists, or before the first
+node: the view is read again every ``view_interval`` seconds.
 """
 
 from __future__ import annotations
@@ -16,159 +21,99 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from dataclasses import dataclass
-
-import httpx
+from collections.abc import Coroutine
+from datetime import datetime, timezone
+from typing import Any, TypeVar
 
 from kvring.common.contract import Contract
-from kvring.common.errors import KVRingError, NodeUnavailable
-from kvring.common.protocol import MAX_KEYS_PER_REQUEST
+from kvring.common.errors import KVRingError, MembershipError
 from kvring.common.records import NodeRecord
-from kvring.common.ring import HashRing
-from kvring.common.types import LEFT_RING_STATES
 from kvring.membership.etcd import Etcd
+from kvring.membership.loop import etcd_loop
 
-from .models import NodeView
+from .loopthread import LoopThread
+from .models import NodeView, ViewAge
+from .queries import NodeQueries
 from .settings import AdminSettings
+from .view import ClusterView, Freshness, ViewRefresher
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class NoContract(KVRingError):
     """No node of the cluster has started yet, so there is no contract (chunk size, ring) to use."""
 
 
-@dataclass(frozen=True)
-class RingSnapshot:
-    """The cluster's members and ring as the admin read them for one request."""
-
-    contract: Contract
-    members: dict[str, NodeRecord]
-    ring: HashRing
-
-    @property
-    def epoch(self) -> int:
-        return self.ring.epoch
-
-
 class ClusterHandle:
+    """See the module docstring.  Every method runs on the serving loop."""
+
     def __init__(self, settings: AdminSettings) -> None:
         self.settings = settings
-        self.etcd = Etcd(settings.etcd)
-        self.http = httpx.AsyncClient(timeout=settings.node_timeout)
-        self._contract: Contract | None = None
-        self._last: RingSnapshot | None = None
+        self._view_thread = LoopThread("kvring-admin-view", loop=etcd_loop())
+        self._etcd = Etcd(settings.etcd)  # used on the view thread only
+        self.refresher = ViewRefresher(settings, self._etcd, self._view_thread)
+        self.queries = NodeQueries(settings)
 
     async def start(self) -> None:
-        try:
-            await self.snapshot()
-        except KVRingError as exc:
-            logger.warning("cluster not readable yet (%s); will read it again on the next request", exc)
+        """Start both threads and wait for the first read of the view (it may fail: etcd away)."""
+        self._view_thread.start()
+        self.queries.start()
+        self.refresher.start()
+        await self.refresher.wait_first_read(self.settings.view_timeout)
+        if self.refresher.status.view is None:
+            logger.warning("serving without a view of the cluster yet (%s); read endpoints answer 503 until "
+                           "it is read", self.refresher.status.error or "still reading")
 
     async def close(self) -> None:
-        await self.http.aclose()
-        await self.etcd.close()
+        await self.queries.aclose()
+        await self._view_thread.aclose(self.refresher.stop())
 
-    async def contract(self) -> Contract:
-        if self._contract is None:
-            contract = await self.etcd.read_contract()
-            if contract is None:
-                raise NoContract(f"cluster {self.settings.etcd.cluster!r} has no contract in etcd yet: no "
-                                 "node of it has started (check --cluster)")
-            self._contract = contract
-        return self._contract
+    # ---- reads: the cached view ---------------------------------------------------------------
 
-    async def snapshot(self) -> RingSnapshot:
-        """Members and ring read from etcd now; the ring (and its epoch) only changes when the
-        members do, as in every client."""
-        contract = await self.contract()
-        members, revision = await self.etcd.members()
-        last = self._last
-        if last is not None and last.members == members:
-            return last
-        weights = {n: r.capacity for n, r in members.items() if r.state not in LEFT_RING_STATES}
-        ring = HashRing(weights, vnodes=contract.vnodes, replication=contract.replication, epoch=revision)
-        self._last = RingSnapshot(contract, members, ring)
-        return self._last
+    def view(self) -> tuple[ClusterView, ViewAge]:
+        """The latest view and its age for the answer; ``NoView`` (503) before the first read."""
+        view, fresh = self.refresher.require()
+        return view, view_age(fresh)
 
-    # ---- questions to the nodes' admin ports ------------------------------------------------
+    def contract(self, view: ClusterView) -> Contract:
+        """The view's contract; ``NoContract`` (503) while the cluster has none."""
+        if view.contract is None:
+            raise NoContract(f"cluster {self.settings.etcd.cluster!r} has no contract in etcd yet: no node of it "
+                             "has started (check --cluster)")
+        return view.contract
 
-    async def _post(self, rec: NodeRecord, path: str, body: dict) -> dict:
+    # ---- the mutating endpoints: fresh etcd reads and writes, on the view thread ---------------
+
+    async def _on_etcd(self, coro: Coroutine[Any, Any, T]) -> T:
+        limit = self.settings.view_timeout  # a backstop: the etcd client's own timeouts come first
         try:
-            resp = await self.http.post(f"{rec.admin_addr}{path}", json=body)
-            resp.raise_for_status()
-            return resp.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise NodeUnavailable(f"node {rec.node_id}: {type(exc).__name__}: {exc}".rstrip(": ")) from None
+            async with asyncio.timeout(limit):
+                return await self._view_thread.run(coro)
+        except TimeoutError:
+            raise MembershipError(f"etcd did not answer within {limit:g}s") from None
 
-    async def holders(self, snap: RingSnapshot, keys: list[bytes]) -> list[list[str]]:
-        """Which members hold each key (every member asked, nothing leased), owners first."""
-        async def one(rec: NodeRecord) -> tuple[str, list[bool]]:
-            present: list[bool] = []
-            for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
-                part = keys[i:i + MAX_KEYS_PER_REQUEST]
-                try:
-                    present += (await self._post(rec, "/v1/present", {"keys": [k.hex() for k in part]}))["present"]
-                except NodeUnavailable as exc:
-                    logger.debug("%s", exc)
-                    present += [False] * len(part)
-            return rec.node_id, present
+    async def members_now(self) -> dict[str, NodeRecord]:
+        members, _ = await self._on_etcd(self._etcd.members())
+        return members
 
-        if not keys:
-            return []
-        answers = dict(await asyncio.gather(*(one(rec) for rec in snap.members.values())))
-        owners = snap.ring.owners_many(keys) if snap.ring.nodes else [[] for _ in keys]
-        out = []
-        for i, own in enumerate(owners):
-            held = {n for n, present in answers.items() if present[i]}
-            out.append([n for n in own if n in held] + sorted(held - set(own)))
-        return out
+    async def drain_requests_now(self) -> set[str]:
+        return await self._on_etcd(self._etcd.drain_requests())
 
-    async def flush(self, snap: RingSnapshot, namespace: str) -> dict[str, int | str]:
-        """Delete a namespace on every member: chunks deleted per node, or why it failed."""
-        async def one(rec: NodeRecord) -> tuple[str, int | str]:
-            try:
-                return rec.node_id, int((await self._post(rec, "/v1/flush", {"namespace": namespace}))["deleted"])
-            except NodeUnavailable as exc:
-                return rec.node_id, str(exc)
-        return dict(await asyncio.gather(*(one(rec) for rec in snap.members.values())))
+    async def request_drain(self, node_id: str) -> None:
+        await self._on_etcd(self._etcd.request_drain(node_id))
+        self.refresher.poke()
 
-    # ---- reads ------------------------------------------------------------------------------
-
-    async def members(self) -> tuple[dict[str, NodeRecord], int]:
-        return await self.etcd.members()
-
-    async def node_views(self, members: dict[str, NodeRecord]) -> list[NodeView]:
-        """Each member's record joined with its own ``/stats`` (read in parallel)."""
-        async def one(rec: NodeRecord) -> NodeView:
-            stats, error = None, None
-            try:
-                resp = await self.http.get(f"{rec.admin_addr}/stats")
-                resp.raise_for_status()
-                stats = resp.json()
-            except (httpx.HTTPError, ValueError) as exc:
-                error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-            return NodeView(
-                node_id=rec.node_id,
-                state=stats.get("state", rec.state) if stats else "unreachable",
-                registered_state=rec.state,
-                on_ring=rec.state not in LEFT_RING_STATES,
-                data_addr=rec.data_addr,
-                admin_addr=rec.admin_addr,
-                capacity=rec.capacity,
-                used=stats.get("used") if stats else None,
-                chunks=stats.get("chunks") if stats else None,
-                hits=stats.get("hits") if stats else None,
-                misses=stats.get("misses") if stats else None,
-                drain=stats.get("drain") if stats else None,
-                error=error,
-            )
-        return list(await asyncio.gather(*(one(rec) for _, rec in sorted(members.items()))))
-
-    def ring_epoch(self, fallback: int) -> int:
-        return self._last.epoch if self._last is not None else fallback
+    async def cancel_drain(self, node_id: str) -> None:
+        await self._on_etcd(self._etcd.cancel_drain(node_id))
+        self.refresher.poke()
 
 
-def states_of(views: list[NodeView]) -> dict[str, int]:
+def view_age(fresh: Freshness) -> ViewAge:
+    return ViewAge(as_of=datetime.fromtimestamp(fresh.read_at, timezone.utc), age_s=round(fresh.age_s, 3),
+                   stale=fresh.stale_reason is not None, stale_reason=fresh.stale_reason)
+
+
+def states_of(views: tuple[NodeView, ...] | list[NodeView]) -> dict[str, int]:
     return dict(sorted(Counter(v.state for v in views).items()))
-

@@ -1,7 +1,7 @@
 """Prometheus metrics of the admin API, on a registry of its own (no process globals).
 
-The admin's own request counters and latencies, plus gauges of the cluster that are refreshed
-from etcd and the nodes' ``/stats`` each time ``/metrics`` is scraped.
+The admin's own request counters and latencies, plus gauges of the cluster set from the cached
+cluster view (``view.py``) each time ``/metrics`` is scraped, and that view's age.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class AdminMetrics:
                                  ["route"], buckets=_BUCKETS, registry=r)
         self.etcd_up = Gauge("kvring_admin_etcd_up", "1 if the last read of the cluster from etcd succeeded",
                              registry=r)
+        self.view_age = Gauge("kvring_admin_view_age_seconds", "Age of the cluster view the admin answers reads "
+                              "from (it is read about once a second; it grows while reads fail)", registry=r)
         self.nodes = Gauge("kvring_cluster_nodes", "Registered nodes by state ('unreachable': registered, but "
                            "its /stats did not answer)", ["state"], registry=r)
         self.capacity = Gauge("kvring_cluster_capacity_bytes", "Sum of the registered nodes' cache budgets",
@@ -49,8 +51,10 @@ class AdminMetrics:
         self.requests.labels(method, route, str(status)).inc()
         self.latency.labels(route).observe(time.perf_counter() - started)
 
-    def set_cluster(self, views: list[NodeView], states: dict[str, int], epoch: int) -> None:
-        self.etcd_up.set(1)
+    def set_cluster(self, views: list[NodeView], states: dict[str, int], epoch: int, etcd_up: bool,
+                    age_s: float) -> None:
+        self.etcd_up.set(1 if etcd_up else 0)
+        self.view_age.set(age_s)
         for gauge in (self.nodes, self.node_used, self.node_capacity, self.node_chunks, self.node_hits,
                       self.node_misses, self.node_reachable):
             gauge.clear()  # nodes that left must not linger
@@ -69,5 +73,6 @@ class AdminMetrics:
                 self.node_hits.labels(v.node_id).set(v.hits or 0)
                 self.node_misses.labels(v.node_id).set(v.misses or 0)
 
-    def set_etcd_down(self) -> None:
+    def set_no_view(self) -> None:
+        """Before the first read of the view: etcd has not been read, and there is nothing to gauge."""
         self.etcd_up.set(0)

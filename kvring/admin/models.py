@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -11,6 +12,19 @@ TokenId = Annotated[int, Field(ge=0, lt=2**32, description="A token id (hashed a
 
 class Health(BaseModel):
     status: str = "ok"
+
+
+class ViewAge(BaseModel):
+    """How current the cached cluster view behind an answer is.
+
+    The admin reads the cluster (etcd and each node's /stats) in the background every
+    ``view_interval`` seconds and answers reads from the latest read."""
+
+    as_of: datetime = Field(description="When the read this answer comes from began (UTC): all of it is newer.")
+    age_s: float = Field(description="Seconds since then.")
+    stale: bool = Field(description="True when the latest read failed (e.g. etcd is away) or the view has not "
+                                    "been read again for longer than expected: this is the last view read.")
+    stale_reason: str | None = Field(default=None, description="Why the view is stale.")
 
 
 class ContractView(BaseModel):
@@ -26,16 +40,20 @@ class ClusterInfo(BaseModel):
     etcd: list[str]
     contract: ContractView | None = Field(description="None until the first node has recorded it.")
     ring_epoch: int = Field(description="etcd revision of the membership the admin's ring was built from.")
-    etcd_revision: int = Field(description="etcd revision of this read.")
+    etcd_revision: int = Field(description="etcd revision of the view's read.")
     nodes: int
     nodes_on_ring: int
     states: dict[str, int] = Field(description="Registered nodes per state.")
     drain_requests: list[str] = Field(description="Node ids with a pending drain request.")
+    rebalancing: list[str] = Field(description="Nodes restoring copies their co-owners lack (after a node was lost "
+                                               "or came back empty) or draining: chunks are moving.")
+    view: ViewAge
 
 
 class NodeView(BaseModel):
     node_id: str
-    state: str = Field(description="The node's state (joining, active, draining, drained), or 'unreachable' when "
+    state: str = Field(description="The node's state (joining, active, draining, drained, unhealthy), or "
+                                   "'unreachable' when "
                                    "it is registered but its /stats did not answer.")
     registered_state: str = Field(description="The state in the node's etcd record.")
     on_ring: bool
@@ -47,11 +65,18 @@ class NodeView(BaseModel):
     hits: int | None = Field(description="Keys found by LOOKUPs.")
     misses: int | None = Field(description="Keys not found by LOOKUPs.")
     drain: dict[str, Any] | None = Field(default=None, description="Drain progress, as the node reports it.")
+    repair: dict[str, Any] | None = Field(default=None, description="The node's current or last repair pass "
+                                          "(copies restored to co-owners, chunks handed off), as it reports it.")
     error: str | None = Field(default=None, description="Why the node's stats could not be read.")
+
+
+class NodeDetail(NodeView):
+    view: ViewAge
 
 
 class NodesView(BaseModel):
     nodes: list[NodeView]
+    view: ViewAge
 
 
 class OwnersView(BaseModel):
@@ -60,6 +85,7 @@ class OwnersView(BaseModel):
     held_by: list[str] = Field(description="Members that hold the key now (owners, or previous owners right "
                                            "after a ring change).")
     ring_epoch: int
+    view: ViewAge = Field(description="The view the ring comes from (who holds the key is asked now).")
 
 
 class LayoutIn(BaseModel):
@@ -143,6 +169,7 @@ class LookupView(BaseModel):
     matched_tokens: int
     ring_epoch: int
     chunks: list[ChunkView]
+    view: ViewAge = Field(description="The view the ring comes from (who holds each chunk is asked now).")
 
 
 class DrainView(BaseModel):

@@ -1,22 +1,32 @@
-"""The admin API's endpoints.  State lives on ``app.state`` (set by ``create_app``), never in globals."""
+"""The admin API's endpoints.  State lives on ``app.state`` (set by ``create_app``), never in globals.
+
+Every handler runs on the serving loop.  Reads answer from the cached view (``cluster.view()``,
+a memory read); lookups (``prefix.py``) and key owners ask the nodes through ``cluster.queries``
+inside a bounded slot; the mutating endpoints read and write etcd through ``ClusterHandle`` (on
+the view thread).
+"""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
-from kvring.common.errors import MembershipError, NoOwners
-from kvring.common.hashing import chained_hashes
+from kvring.common.errors import NoOwners
 from kvring.common.protocol import MAX_KEY_BYTES
+from kvring.common.records import NodeRecord
+from kvring.common.ring import HashRing
 from kvring.common.types import LEFT_RING_STATES
-from kvring.connector.keys import KeyScope, KVLayout, MMSpan, request_keys
 
+from . import prefix
 from .auth import require_token
 from .cluster import ClusterHandle, states_of
 from .metrics import AdminMetrics
 from .models import (
-    ChunkView,
     ClusterInfo,
     ContractView,
     DrainView,
@@ -24,11 +34,12 @@ from .models import (
     Health,
     LookupIn,
     LookupView,
+    NodeDetail,
     NodesView,
-    NodeView,
     OwnersView,
 )
 from .settings import AdminSettings
+from .view import ClusterView
 
 router = APIRouter()
 MUTATING = [Depends(require_token)]
@@ -36,140 +47,144 @@ MUTATING_RESPONSES = {401: {"description": "No or wrong bearer token; nothing wa
                       403: {"description": "No admin token is configured, so mutating endpoints are off."}}
 
 
-def cluster_of(request: Request) -> ClusterHandle:
+# The dependencies are coroutines so that FastAPI runs them inline: it runs a plain function on
+# its thread pool, a hop per request that costs more than the read itself.
+async def cluster_of(request: Request) -> ClusterHandle:
     return request.app.state.cluster
 
 
-def settings_of(request: Request) -> AdminSettings:
+async def settings_of(request: Request) -> AdminSettings:
     return request.app.state.settings
 
 
-async def _known_node(cluster: ClusterHandle, node_id: str):
-    members, _ = await cluster.members()
-    if node_id not in members:
-        raise HTTPException(status.HTTP_404_NOT_FOUND,
-                            f"no node {node_id!r} in cluster {cluster.settings.etcd.cluster!r}; members: "
-                            f"{', '.join(sorted(members)) or '(none)'}")
-    return members
+def _unknown_node(node_id: str, members: Iterable[str], cluster: str) -> HTTPException:
+    known = ", ".join(sorted(members)) or "(none)"
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"no node {node_id!r} in cluster {cluster!r}; members: {known}")
+
+
+def _ring_of(view: ClusterView, cluster: str) -> HashRing:
+    if view.ring is None or not view.ring.nodes:
+        raise NoOwners(f"no active node in cluster {cluster!r}")
+    return view.ring
+
+
+def _answer(model: BaseModel) -> Response:
+    """``model`` as JSON, serialized once by pydantic.  (Returned as a model, FastAPI would
+    validate it again and serialize it in several passes: on the hot read endpoints that is most
+    of a request's time.  ``response_model`` still documents the schema.)"""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 @router.get("/healthz", response_model=Health, tags=["health"])
-async def healthz() -> Health:
+async def healthz() -> Response:
     """The admin process is up (does not look at etcd or the nodes)."""
-    return Health()
+    return _answer(Health())
 
 
-@router.get("/v1/cluster", response_model=ClusterInfo, tags=["cluster"])
-async def cluster_info(cluster: ClusterHandle = Depends(cluster_of)) -> ClusterInfo:
-    """The cluster's hashing contract, ring epoch and members by state (read from etcd now)."""
-    members, revision = await cluster.members()
-    contract = await cluster.etcd.read_contract()
-    drains = await cluster.etcd.drain_requests()
+@router.get("/v1/cluster", response_model=ClusterInfo, tags=["cluster"], responses={503: {}})
+async def cluster_info(cluster: ClusterHandle = Depends(cluster_of)) -> Response:
+    """The cluster's hashing contract, ring epoch and members by state, from the cached view."""
+    view, age = cluster.view()
     states: dict[str, int] = {}
-    for rec in members.values():
+    for rec in view.members.values():
         states[rec.state] = states.get(rec.state, 0) + 1
-    return ClusterInfo(
+    return _answer(ClusterInfo(
         cluster=cluster.settings.etcd.cluster,
         etcd=list(cluster.settings.etcd.endpoints),
-        contract=ContractView(**vars(contract)) if contract is not None else None,
-        ring_epoch=cluster.ring_epoch(revision),
-        etcd_revision=revision,
-        nodes=len(members),
-        nodes_on_ring=sum(1 for v in members.values() if v.state not in LEFT_RING_STATES),
+        contract=ContractView(**vars(view.contract)) if view.contract is not None else None,
+        ring_epoch=view.ring_epoch,
+        etcd_revision=view.revision,
+        nodes=len(view.members),
+        nodes_on_ring=sum(1 for v in view.members.values() if v.on_ring),
         states=dict(sorted(states.items())),
-        drain_requests=sorted(drains),
-    )
+        drain_requests=sorted(view.drain_requests),
+        rebalancing=sorted(n.node_id for n in view.nodes
+                           if (n.repair or {}).get("moving") or n.state in LEFT_RING_STATES),
+        view=age,
+    ))
 
 
-@router.get("/v1/nodes", response_model=NodesView, tags=["nodes"])
-async def nodes(cluster: ClusterHandle = Depends(cluster_of)) -> NodesView:
-    """Every registered node with its state, capacity, usage and LOOKUP hit/miss counters.
+@router.get("/v1/nodes", response_model=NodesView, tags=["nodes"], responses={503: {}})
+async def nodes(cluster: ClusterHandle = Depends(cluster_of)) -> Response:
+    """Every registered node with its state, capacity, usage and LOOKUP hit/miss counters, from
+    the cached view.
 
-    A node whose ``/stats`` does not answer is listed with state ``unreachable``."""
-    members, _ = await cluster.members()
-    return NodesView(nodes=await cluster.node_views(members))
+    A node whose ``/stats`` did not answer is listed with state ``unreachable``."""
+    view, age = cluster.view()
+    return _answer(NodesView(nodes=list(view.nodes), view=age))
 
 
-@router.get("/v1/nodes/{node_id}", response_model=NodeView, tags=["nodes"], responses={404: {}})
-async def node(node_id: str, cluster: ClusterHandle = Depends(cluster_of)) -> NodeView:
+@router.get("/v1/nodes/{node_id}", response_model=NodeDetail, tags=["nodes"], responses={404: {}, 503: {}})
+async def node(node_id: str, cluster: ClusterHandle = Depends(cluster_of)) -> Response:
     """One node, as in ``/v1/nodes`` (with its drain progress while it drains)."""
-    members = await _known_node(cluster, node_id)
-    return (await cluster.node_views({node_id: members[node_id]}))[0]
+    view, age = cluster.view()
+    found = view.node(node_id)
+    if found is None:
+        raise _unknown_node(node_id, view.members, cluster.settings.etcd.cluster)
+    return _answer(NodeDetail(**found.model_dump(), view=age))
 
 
-@router.get("/v1/keys/{key_hex}/owners", response_model=OwnersView, tags=["keys"], responses={422: {}})
-async def owners(key_hex: str, cluster: ClusterHandle = Depends(cluster_of)) -> OwnersView:
+@router.get("/v1/keys/{key_hex}/owners", response_model=OwnersView, tags=["keys"], responses={422: {}, 503: {}})
+async def owners(key_hex: str, cluster: ClusterHandle = Depends(cluster_of)) -> Response:
     """The nodes that own a chunk key on the current ring (primary first) and those that hold it."""
     try:
         key = bytes.fromhex(key_hex)
     except ValueError:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            f"key {key_hex!r} is not hex; give the chunk key as hex digits (kvring keys are 16 "
-                            "bytes = 32 hex digits)") from None
+                            f"key {key_hex[:80]!r} is not hex; give the chunk key as hex digits (kvring keys are "
+                            "16 bytes = 32 hex digits)") from None
     if not 0 < len(key) <= MAX_KEY_BYTES:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             f"a key has 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-    snap = await cluster.snapshot()
-    if not snap.ring.nodes:
-        raise NoOwners(f"no active node in cluster {cluster.settings.etcd.cluster!r}")
-    held = (await cluster.holders(snap, [key]))[0]
-    return OwnersView(key=key.hex(), owners=snap.ring.owners(key), held_by=held, ring_epoch=snap.epoch)
+    view, age = cluster.view()
+    owners_ = _ring_of(view, cluster.settings.etcd.cluster).owners(key)
+    async with cluster.queries.slot("key owners query"):
+        held = (await cluster.queries.holders(view.members, [key], [owners_]))[0]
+    return _answer(OwnersView(key=key.hex(), owners=owners_, held_by=held, ring_epoch=view.ring_epoch, view=age))
 
 
-@router.post("/v1/lookup", response_model=LookupView, tags=["keys"], responses={422: {}})
+@router.post("/v1/lookup", response_model=LookupView, tags=["keys"], responses={413: {}, 422: {}, 503: {}})
 async def lookup(body: LookupIn, cluster: ClusterHandle = Depends(cluster_of),
-                 settings: AdminSettings = Depends(settings_of)) -> LookupView:
+                 settings: AdminSettings = Depends(settings_of)) -> Response:
     """How many leading tokens of a prompt are cached, and where each chunk is.
 
     Keys are computed exactly as the connector computes them (``kvring.connector.keys``), owners
     come from the same ring, and a chunk counts towards the prefix when one of its owners holds
     it (where the connector's lookup looks), so a router sees what a vLLM instance would load.
     Nothing is leased.  The connector may load a few tokens less than ``matched_tokens``: it
-    always recomputes the prompt's last token and loads whole vLLM blocks."""
-    n = len(body.token_ids)
-    if n > settings.max_lookup_tokens:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            f"{n} tokens exceed this admin's limit of {settings.max_lookup_tokens}")
-    for span in body.mm_spans:
-        if span.offset + span.length > n:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                                f"mm span [{span.offset}, {span.offset + span.length}) ends past the prompt's "
-                                f"{n} tokens")
-    snap = await cluster.snapshot()
-    chunk_size = snap.contract.chunk_size
-    if body.layout is not None:
-        layout = KVLayout(**body.layout.model_dump())
-        if layout.chunk_size != chunk_size:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                                f"layout.chunk_size is {layout.chunk_size} but the cluster's chunk size is "
-                                f"{chunk_size}; keys computed with it would never match")
-        scope = KeyScope(cache_salt=body.cache_salt or "", adapter=body.adapter, weights_epoch=body.weights_epoch)
-        namespace = layout.namespace(scope)
-        keys = request_keys(layout, body.token_ids, scope, [MMSpan(**s.model_dump()) for s in body.mm_spans])
-    else:
-        namespace = body.namespace
-        keys = chained_hashes(namespace, body.token_ids, chunk_size)
+    always recomputes the prompt's last token and loads whole vLLM blocks.
 
-    if keys and not snap.ring.nodes:
-        raise NoOwners(f"no active node in cluster {cluster.settings.etcd.cluster!r}")
-    held = await cluster.holders(snap, keys)
-    owner_lists = snap.ring.owners_many(keys) if keys else []
-    matched = 0
-    for owners, holders in zip(owner_lists, held):
-        if not set(owners) & set(holders):
-            break
-        matched += 1
-    epoch = snap.epoch
-    return LookupView(
-        namespace=namespace, chunk_size=chunk_size, prompt_tokens=n, chunks_total=len(keys),
-        matched_chunks=matched, matched_tokens=matched * chunk_size, ring_epoch=epoch,
-        chunks=[ChunkView(index=i, key=k.hex(), tokens=(i * chunk_size, (i + 1) * chunk_size), in_prefix=i < matched,
-                          owners=o, held_by=h) for i, (k, o, h) in enumerate(zip(keys, owner_lists, held))],
-    )
+    The nodes are asked now (a bounded number of queries at a time; 503 past the admin's query
+    timeout); the ring comes from the cached view."""
+    view, age = cluster.view()
+    chunk_size = cluster.contract(view).chunk_size
+    prefix.check(body, settings, chunk_size)
+    async with cluster.queries.slot("lookup"):
+        args = (body, chunk_size, view.ring, cluster.settings.etcd.cluster)
+        if len(body.token_ids) <= prefix.INLINE_KEY_TOKENS:
+            namespace, keys, owner_lists = prefix.keys_and_owners(*args)
+        else:
+            namespace, keys, owner_lists = await asyncio.to_thread(prefix.keys_and_owners, *args)
+        held = await cluster.queries.holders(view.members, keys, owner_lists)
+    matched, chunks = prefix.chunk_views(keys, owner_lists, held, chunk_size)
+    return _answer(LookupView(
+        namespace=namespace, chunk_size=chunk_size, prompt_tokens=len(body.token_ids), chunks_total=len(keys),
+        matched_chunks=matched, matched_tokens=matched * chunk_size, ring_epoch=view.ring_epoch, chunks=chunks,
+        view=age,
+    ))
+
+
+async def _known_node(cluster: ClusterHandle, node_id: str) -> dict[str, NodeRecord]:
+    """The members read from etcd now (a mutating endpoint must not act on a stale view); 404 if
+    ``node_id`` is not one of them."""
+    members = await cluster.members_now()
+    if node_id not in members:
+        raise _unknown_node(node_id, members, cluster.settings.etcd.cluster)
+    return members
 
 
 @router.post("/v1/nodes/{node_id}/drain", response_model=DrainView, status_code=status.HTTP_202_ACCEPTED,
-             tags=["nodes"], dependencies=MUTATING, responses={**MUTATING_RESPONSES, 404: {}})
+             tags=["nodes"], dependencies=MUTATING, responses={**MUTATING_RESPONSES, 404: {}, 503: {}})
 async def drain(node_id: str, cluster: ClusterHandle = Depends(cluster_of)) -> DrainView:
     """Ask a node to leave the ring and hand every chunk to its new owners (through etcd).
 
@@ -177,29 +192,28 @@ async def drain(node_id: str, cluster: ClusterHandle = Depends(cluster_of)) -> D
     ``GET /v1/nodes/{node_id}``.  With no other active node it keeps its chunks and stays
     ``draining`` (its drain progress says why)."""
     members = await _known_node(cluster, node_id)
-    await cluster.etcd.request_drain(node_id)
+    await cluster.request_drain(node_id)
     return DrainView(node_id=node_id, state=members[node_id].state, drain_requested=True,
                      message="drain requested: the node leaves the ring, hands its chunks to their new owners "
                              f"and then reports 'drained' (GET /v1/nodes/{node_id})")
 
 
 @router.delete("/v1/nodes/{node_id}/drain", response_model=DrainView, tags=["nodes"], dependencies=MUTATING,
-               responses={**MUTATING_RESPONSES, 404: {}})
+               responses={**MUTATING_RESPONSES, 404: {}, 503: {}})
 async def cancel_drain(node_id: str, cluster: ClusterHandle = Depends(cluster_of)) -> DrainView:
     """Withdraw a drain request; a node still running goes back to ``active``."""
-    members, _ = await cluster.members()
-    pending = await cluster.etcd.drain_requests()
-    if node_id not in members and node_id not in pending:
-        await _known_node(cluster, node_id)  # raises the 404
-    await cluster.etcd.cancel_drain(node_id)
+    members = await cluster.members_now()
+    if node_id not in members and node_id not in await cluster.drain_requests_now():
+        raise _unknown_node(node_id, members, cluster.settings.etcd.cluster)
+    await cluster.cancel_drain(node_id)
     state = members[node_id].state if node_id in members else "absent"
     return DrainView(node_id=node_id, state=state, drain_requested=False,
                      message="drain request withdrawn; a running node returns to 'active'")
 
 
 @router.delete("/v1/namespaces/{namespace:path}", response_model=FlushView, tags=["keys"], dependencies=MUTATING,
-               responses={**MUTATING_RESPONSES, 422: {}, 502: {"model": FlushView,
-                                                              "description": "Some nodes did not confirm."}})
+               responses={**MUTATING_RESPONSES, 422: {}, 503: {}, 502: {"model": FlushView,
+                                                                        "description": "Some nodes did not confirm."}})
 async def flush(namespace: str, cluster: ClusterHandle = Depends(cluster_of)):
     """Delete every chunk of a namespace on every node (e.g. ``kvring/v1/<hex>``, as the
     connector's ``KVLayout.namespace(scope)`` gives it).  Chunks stored without a
@@ -208,7 +222,9 @@ async def flush(namespace: str, cluster: ClusterHandle = Depends(cluster_of)):
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             "refusing to flush an empty namespace: it would mean every chunk stored without one; "
                             "give the namespace, e.g. DELETE /v1/namespaces/kvring/v1/<hex>")
-    per_node = await cluster.flush(await cluster.snapshot(), namespace)
+    members = await cluster.members_now()
+    async with cluster.queries.slot("flush"):
+        per_node = await cluster.queries.flush(members, namespace)
     done = {n: r for n, r in per_node.items() if isinstance(r, int)}
     failed = {n: r for n, r in per_node.items() if isinstance(r, str)}
     view = FlushView(namespace=namespace, deleted=sum(done.values()), nodes=done, failed=failed)
@@ -218,12 +234,14 @@ async def flush(namespace: str, cluster: ClusterHandle = Depends(cluster_of)):
 @router.get("/metrics", tags=["health"], response_class=Response,
             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format."}})
 async def metrics(request: Request, cluster: ClusterHandle = Depends(cluster_of)) -> Response:
-    """Prometheus metrics: the admin's requests, and cluster gauges read from etcd and the nodes now."""
+    """Prometheus metrics: the admin's requests, and cluster gauges from the cached view (with its age)."""
     m: AdminMetrics = request.app.state.metrics
-    try:
-        members, revision = await cluster.members()
-        views = await cluster.node_views(members)
-        m.set_cluster(views, states_of(views), cluster.ring_epoch(revision))
-    except MembershipError:
-        m.set_etcd_down()
+    status_ = cluster.refresher.status
+    if status_.view is None:
+        m.set_no_view()
+    else:
+        fresh = cluster.refresher.freshness(status_)
+        view = status_.view
+        m.set_cluster(list(view.nodes), states_of(view.nodes), view.ring_epoch, etcd_up=status_.error is None,
+                      age_s=fresh.age_s)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

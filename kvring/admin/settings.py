@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvring.common.units import format_size
 from kvring.membership.settings import EtcdSettings
 
 MIN_TOKEN_CHARS = 16
@@ -24,6 +25,22 @@ class AdminSettings:
     node_timeout: float = 2.0
     # Longest prompt a lookup accepts, in tokens (bounds the work one request can cause).
     max_lookup_tokens: int = 1 << 20
+    # Largest request body, in bytes: a larger one is refused with 413 before any of it is
+    # parsed (by its Content-Length, or by counting a chunked body as it arrives).  1 MiB of
+    # JSON holds a lookup of roughly 100k token ids.
+    max_body_bytes: int = 1 << 20
+    # Seconds between two reads of the cluster view the read endpoints answer from (etcd's
+    # members, contract and drain requests, and each node's /stats).
+    view_interval: float = 1.0
+    # Longest one read of the view may take; past it the read counts as failed and the last
+    # view is kept, marked stale.
+    view_timeout: float = 10.0
+    # A view older than this is marked stale even while no read has failed yet.
+    view_stale_after: float = 5.0
+    # Queries that ask the nodes (lookups, key owners, flushes) running at once; more wait.
+    max_concurrent_queries: int = 32
+    # Longest such a query may take, waiting for its turn included; past it the answer is 503.
+    query_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if self.token is not None:
@@ -33,7 +50,23 @@ class AdminSettings:
             if not self.token.isascii() or not self.token.isprintable() or " " in self.token:
                 raise ValueError("the admin token must be printable ASCII without spaces (it travels in an "
                                  "HTTP header)")
-        if not self.node_timeout > 0:
-            raise ValueError("node_timeout must be positive seconds")
+        for name in ("node_timeout", "view_interval", "view_timeout", "view_stale_after", "query_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
         if self.max_lookup_tokens < 1:
             raise ValueError("max_lookup_tokens must be at least 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024 (1 KiB), got {self.max_body_bytes}")
+        if self.max_concurrent_queries < 1:
+            raise ValueError("max_concurrent_queries must be at least 1")
+        if self.query_timeout <= self.node_timeout:
+            raise ValueError(f"query_timeout ({self.query_timeout}s) must exceed node_timeout ({self.node_timeout}s), "
+                             "so that one slow node counts as not holding a key instead of failing every query")
+        if self.view_timeout <= self.node_timeout:
+            raise ValueError(f"view_timeout ({self.view_timeout}s) must exceed node_timeout ({self.node_timeout}s), "
+                             "so that one slow node is listed as unreachable instead of failing every view read")
+
+    @property
+    def body_limit_text(self) -> str:
+        """The body limit for people: ``1 MiB (1048576 bytes)``."""
+        return f"{format_size(self.max_body_bytes)} ({self.max_body_bytes} bytes)"

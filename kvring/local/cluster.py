@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ from kvring.common.contract import Contract
 from kvring.common.tls import ClusterCredentials, generate
 
 logger = logging.getLogger(__name__)
+_LOG_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")  # in a log line's prefix
 
 
 def free_port() -> int:
@@ -229,8 +231,16 @@ class AdminProcess:
         raise TimeoutError(f"kvring admin did not answer /healthz within {timeout}s")
 
     def _drain_stderr(self) -> None:
-        for line in self.proc.stderr:
-            logger.debug("[admin] %s", line.decode(errors="replace").rstrip())
+        """Pass the admin's log on at the level of each line (a traceback's lines at the level of
+        the line before them), so its warnings and errors reach whoever runs the cluster (with no
+        logging set up, as under ``kvring up``, Python prints WARNING and above to stderr)."""
+        level = logging.DEBUG
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            found = _LOG_LEVEL.search(line[:80])
+            if found:
+                level = logging.getLevelName(found.group(1))
+            logger.log(level, "[admin] %s", line)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -1,8 +1,10 @@
-"""The admin API (the real FastAPI app from ``create_app``) against a real etcd and real node
-processes, through ``fastapi.testclient.TestClient`` (which runs the app's lifespan).
+"""The admin API as ``kvring admin`` serves it (a real process over loopback, ``conftest.py``)
+against a real etcd and real node processes.
 
 One 3-node cluster is shared by the module's tests; each test uses keys of its own, and the
-test that drains a node cancels the drain at its end."""
+test that drains a node cancels the drain at its end.  Reads answer from a view the admin reads
+about once a second, so a test that has just changed the cluster reads with ``fresh()``: it
+waits for a view read after the change."""
 
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from types import SimpleNamespace
 
+import httpx
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 from polling import wait_for
 
-from kvring.admin import AdminSettings, create_app
+from kvring.admin import AdminSettings
 from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.store import ENTRY_OVERHEAD
 from kvring.common.chunk import ChunkItem
@@ -27,7 +30,7 @@ from kvring.connector.keys import KeyScope, KVLayout, request_keys
 from kvring.local.cluster import LocalCluster, free_port
 from kvring.membership.settings import EtcdSettings
 
-TOKEN = "test-token-0123456789abcdef"
+TOKEN = "test-token-0123456789abcdef"  # the token conftest's admin_server starts the admin with
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MEMORY = 64 << 20
 LAYOUT = KVLayout(model="tiny-llama", config_fingerprint="abc123", kv_dtype="bfloat16", num_layers=2,
@@ -41,14 +44,23 @@ def cluster(etcd_server):
     c.close()
 
 
-def _settings(cluster, token: str | None = TOKEN, **kw) -> AdminSettings:
-    return AdminSettings(etcd=EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster), token=token, **kw)
-
-
 @pytest.fixture(scope="module")
-def api(cluster):
-    with TestClient(create_app(_settings(cluster))) as tc:
-        yield tc
+def api(cluster, admin_server):
+    with admin_server(cluster).client() as client:
+        yield client
+
+
+def as_of(body: dict) -> float:
+    """When the view behind an answer was read (unix seconds)."""
+    return datetime.fromisoformat(body["view"]["as_of"]).timestamp()
+
+
+def fresh(api: httpx.Client, path: str) -> dict:
+    """``GET path`` answered from a view read after this call began: it shows every change made
+    before the call."""
+    since = time.time()
+    return wait_for(lambda: (body := api.get(path).json()) and as_of(body) >= since and body, 10,
+                    f"a view of {path} read after {since}")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +68,6 @@ def client(cluster):
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as c:
         assert c.wait_for_nodes(3)
         yield c
-
 
 
 
@@ -79,6 +90,8 @@ def test_health_and_openapi_docs(api):
 
 def test_cluster_contract_epoch_and_members(api, cluster):
     body = api.get("/v1/cluster").json()
+    assert body["view"]["stale"] is False and body["view"]["stale_reason"] is None
+    assert 0 <= body["view"]["age_s"] < 5 and abs(as_of(body) - time.time()) < 5
     assert body["cluster"] == cluster.cluster and body["etcd"] == [cluster.etcd]
     assert body["contract"] == {"hash_algorithm": "blake2b-128", "chunk_size": 256, "format_version": 1,
                                 "vnodes": 1024, "replication": 1}
@@ -88,11 +101,11 @@ def test_cluster_contract_epoch_and_members(api, cluster):
 
 
 def test_nodes_capacity_usage_and_hit_counters(api, client):
-    before = {n["node_id"]: n for n in api.get("/v1/nodes").json()["nodes"]}
+    before = {n["node_id"]: n for n in fresh(api, "/v1/nodes")["nodes"]}
     keys = [os.urandom(16) for _ in range(30)]
     data = _put(client, keys)
     assert client.lookup(keys + [os.urandom(16) for _ in range(5)]) == [True] * 30 + [False] * 5
-    nodes = api.get("/v1/nodes").json()["nodes"]
+    nodes = fresh(api, "/v1/nodes")["nodes"]
     assert [n["node_id"] for n in nodes] == ["node-0", "node-1", "node-2"]
     for n in nodes:
         assert n["state"] == n["registered_state"] == "active" and n["on_ring"] and n["error"] is None
@@ -103,7 +116,7 @@ def test_nodes_capacity_usage_and_hit_counters(api, client):
     assert grew("hits") == 30 and grew("misses") == 5
 
     one = api.get("/v1/nodes/node-1").json()
-    assert one["node_id"] == "node-1" and one["capacity"] == MEMORY
+    assert one["node_id"] == "node-1" and one["capacity"] == MEMORY and one["view"]["stale"] is False
     missing = api.get("/v1/nodes/node-9")
     assert missing.status_code == 404 and "no node 'node-9'" in missing.json()["detail"]
     assert "node-0, node-1, node-2" in missing.json()["detail"]
@@ -114,7 +127,7 @@ def test_key_owners_and_bad_keys(api, client):
     _put(client, [key])
     body = api.get(f"/v1/keys/{key.hex()}/owners").json()
     assert body["key"] == key.hex() and body["owners"] == client.owners(key)
-    assert body["held_by"] == client.owners(key) and body["ring_epoch"] > 0
+    assert body["held_by"] == client.owners(key) and body["ring_epoch"] > 0 and not body["view"]["stale"]
     absent = os.urandom(16).hex()
     assert api.get(f"/v1/keys/{absent}/owners").json()["held_by"] == []
     bad = api.get("/v1/keys/not-hex/owners")
@@ -216,18 +229,20 @@ def test_mutating_endpoints_need_the_token_and_change_nothing_without_it(api, cl
     assert all(client.lookup(keys))
 
 
-def test_mutating_endpoints_are_off_without_a_configured_token(cluster, client):
+def test_mutating_endpoints_are_off_without_a_configured_token(cluster, client, admin_server):
     keys = [os.urandom(16) for _ in range(5)]
     _put(client, keys, "kvring/v1/open")
-    with TestClient(create_app(_settings(cluster, token=None))) as open_api:
+    server = admin_server(cluster, token=None)
+    with server.client() as open_api:
         for method, path in (("POST", "/v1/nodes/node-0/drain"), ("DELETE", "/v1/namespaces/kvring/v1/open")):
             resp = open_api.request(method, path, headers=AUTH)
             assert resp.status_code == 403 and "KVRING_ADMIN_TOKEN" in resp.json()["detail"]
         assert open_api.get("/v1/cluster").status_code == 200  # reading needs no token
+    server.stop()
     assert cluster.etcd_run(lambda e: e.drain_requests()) == set()
     assert all(client.lookup(keys))
     with pytest.raises(ValueError, match="at least 16 characters"):
-        _settings(cluster, token="short")
+        AdminSettings(etcd=EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster), token="short")
 
 
 def test_flush_through_the_api_leaves_other_namespaces_alone(api, client):
@@ -259,6 +274,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 def test_metrics_count_requests_and_gauge_the_cluster(api):
     api.get("/healthz")
     api.get("/v1/keys/zz/owners")
+    fresh(api, "/v1/nodes")  # the chunks the tests before stored are in the view /metrics reads
     m = _samples(api.get("/metrics").text)
     req = "kvring_admin_requests_total"
     assert m[(req, (("method", "GET"), ("route", "/healthz"), ("status", "200")))] >= 1
@@ -271,6 +287,7 @@ def test_metrics_count_requests_and_gauge_the_cluster(api):
     assert per_node == m[("kvring_cluster_chunks", ())] > 0
     assert m[("kvring_cluster_node_up", (("node", "node-2"),))] == 1
     assert m[("kvring_cluster_ring_epoch", ())] > 0
+    assert 0 <= m[("kvring_admin_view_age_seconds", ())] < 5
 
 
 def test_drain_through_the_api(api, cluster, client):
@@ -279,13 +296,13 @@ def test_drain_through_the_api(api, cluster, client):
     assert api.post("/v1/nodes/nope/drain", headers=AUTH).status_code == 404
     resp = api.post("/v1/nodes/node-2/drain", headers=AUTH)
     assert resp.status_code == 202 and resp.json()["drain_requested"] is True
-    wait_for(lambda: api.get("/v1/nodes/node-2").json()["state"] == "drained", 30, "node-2 drained")
-    node = api.get("/v1/nodes/node-2").json()
-    assert node["chunks"] == 0 and node["registered_state"] == "drained" and not node["on_ring"]
+    node = wait_for(lambda: (n := api.get("/v1/nodes/node-2").json())["state"] == n["registered_state"] == "drained"
+                    and n, 30, "node-2 drained")
+    assert node["chunks"] == 0 and not node["on_ring"]
     assert node["drain"]["requested_by"] == ["etcd"] and node["drain"]["remaining"] == 0
     info = api.get("/v1/cluster").json()
     assert info["states"] == {"active": 2, "drained": 1} and info["nodes_on_ring"] == 2
-    assert info["drain_requests"] == ["node-2"]
+    assert info["drain_requests"] == ["node-2"] and info["rebalancing"] == ["node-2"]  # it has left, not yet gone
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as fresh:
         assert all(c is not None for c in fresh.get(keys))
         key = keys[0]
@@ -294,15 +311,16 @@ def test_drain_through_the_api(api, cluster, client):
 
     resp = api.delete("/v1/nodes/node-2/drain", headers=AUTH)
     assert resp.status_code == 200 and resp.json()["drain_requested"] is False
-    wait_for(lambda: api.get("/v1/cluster").json()["states"] == {"active": 3}, 10, "node-2 active again")
-    assert api.get("/v1/cluster").json()["drain_requests"] == []
+    info = wait_for(lambda: (i := api.get("/v1/cluster").json())["states"] == {"active": 3} and i, 10,
+                    "node-2 active again")
+    assert info["drain_requests"] == []
 
 
-def test_unreachable_node_is_listed_not_an_error(cluster_factory):
+def test_unreachable_node_is_listed_not_an_error(cluster_factory, admin_server):
     small = cluster_factory(nodes=2, memory=16 << 20)
     small.nodes[1].kill()  # no goodbye: its record stays until the lease runs out
-    with TestClient(create_app(_settings(small, node_timeout=1.0))) as api:
-        nodes = {n["node_id"]: n for n in api.get("/v1/nodes").json()["nodes"]}
+    with admin_server(small, "--node-timeout", "1.0").client() as api:
+        nodes = {n["node_id"]: n for n in fresh(api, "/v1/nodes")["nodes"]}
         assert nodes["node-0"]["state"] == "active"
         gone = nodes["node-1"]
         assert gone["state"] == "unreachable" and gone["registered_state"] == "active"
@@ -312,18 +330,21 @@ def test_unreachable_node_is_listed_not_an_error(cluster_factory):
         assert m[("kvring_cluster_node_up", (("node", "node-1"),))] == 0
 
 
-def test_etcd_down_is_a_clear_503():
-    settings = AdminSettings(etcd=EtcdSettings.parse(f"127.0.0.1:{free_port()}", cluster="x", timeout=0.3),
-                             token=TOKEN)
-    with TestClient(create_app(settings)) as api:
+def test_etcd_down_is_a_clear_503(admin_server):
+    """No view of the cluster was ever read: reads say so (503, Retry-After), as do writes."""
+    server = admin_server(f"127.0.0.1:{free_port()}", cluster="x")
+    with server.client() as api:
         assert api.get("/healthz").status_code == 200
         for method, path, body in (("GET", "/v1/cluster", None), ("GET", "/v1/nodes", None),
+                                   ("GET", "/v1/nodes/node-0", None), ("GET", f"/v1/keys/{'ab' * 16}/owners", None),
                                    ("POST", "/v1/nodes/node-0/drain", None),
                                    ("POST", "/v1/lookup", {"token_ids": [1], "namespace": "ns"})):
             resp = api.request(method, path, json=body, headers=AUTH)
             assert resp.status_code == 503, (path, resp.text)
             assert "etcd at 127.0.0.1:" in resp.json()["detail"] and "cannot be reached" in resp.json()["detail"]
+            assert "\n" not in resp.text and resp.headers["retry-after"] == "1"
         assert _samples(api.get("/metrics").text)[("kvring_admin_etcd_up", ())] == 0
+    assert "WARNING kvring.admin.view: reading the cluster view failed: etcd at 127.0.0.1:" in server.log()
 
 
 def test_kvring_up_serves_the_admin_api():
@@ -339,8 +360,8 @@ def test_kvring_up_serves_the_admin_api():
         text = "".join(lines)
         url = re.search(r"Admin API: (http://127\.0\.0\.1:\d+)", text).group(1)
         assert f"Bearer {TOKEN}" in text
-        import httpx
-        assert httpx.get(f"{url}/v1/cluster", timeout=10).json()["nodes"] == 1
+        info = httpx.get(f"{url}/v1/cluster", timeout=10).json()
+        assert info["nodes"] == 1 and info["view"]["stale"] is False
         resp = httpx.delete(f"{url}/v1/namespaces/kvring/v1/x", headers=AUTH, timeout=10)
         assert resp.status_code == 200 and resp.json()["deleted"] == 0
         proc.send_signal(signal.SIGTERM)

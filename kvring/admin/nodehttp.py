@@ -1,0 +1,72 @@
+"""JSON over HTTP/1.0 to one node's admin port (``cachenode/http.py``), on an asyncio loop.
+
+The admin's threads ask the nodes often: every node's ``/stats`` at each view read, and
+``/v1/present`` for every batch of lookups.  The node's server answers one request per
+connection (HTTP/1.0, ``Content-Length``, then close), so a request here is: connect, send, read
+to the end, parse.  An ``httpx.AsyncClient`` did the same for several times the CPU (connection
+pooling, name resolution on a worker thread, its hooks and logging): with both threads sharing
+the GIL with the serving loop, that CPU delayed every request the admin served.
+
+``request_json`` raises ``NodeHTTPError`` for anything but a JSON answer with status 200 —
+no connection, a timeout, another status, an answer over ``MAX_ANSWER_BYTES``, or not JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+MAX_ANSWER_BYTES = 64 << 20
+
+
+class NodeHTTPError(Exception):
+    """A node's admin port did not give a JSON answer with status 200."""
+
+
+async def request_json(base_url: str, method: str, path: str, body: Any = None, *, timeout: float) -> Any:
+    """``method path`` on ``base_url`` (``http://host:port``) with ``body`` as JSON; the decoded answer."""
+    url = urlsplit(base_url)
+    if url.scheme != "http" or not url.hostname or not url.port:
+        raise NodeHTTPError(f"{base_url!r} is not an http://host:port address")
+    payload = b"" if body is None else json.dumps(body).encode()
+    head = (f"{method} {path} HTTP/1.0\r\nHost: {url.netloc}\r\nAccept: application/json\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await _exchange(url.hostname, url.port, head.encode() + payload)
+    except TimeoutError:
+        raise NodeHTTPError(f"no answer within {timeout:g}s") from None
+    except OSError as exc:
+        raise NodeHTTPError(f"{type(exc).__name__}: {exc}") from None
+    return _parse(raw)
+
+
+async def _exchange(host: str, port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(request)
+        chunks, size = [], 0
+        while chunk := await reader.read(1 << 16):
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise NodeHTTPError(f"the answer is longer than {MAX_ANSWER_BYTES} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        writer.close()
+
+
+def _parse(raw: bytes) -> Any:
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    status_line = head.split(b"\r\n", 1)[0].split(b" ", 2)
+    if not sep or len(status_line) < 2 or not status_line[0].startswith(b"HTTP/") or not status_line[1].isdigit():
+        raise NodeHTTPError(f"not an HTTP answer: {raw[:80]!r}")
+    status = int(status_line[1])
+    if status != 200:
+        raise NodeHTTPError(f"HTTP {status}: {body[:200].decode(errors='replace').strip()}")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise NodeHTTPError(f"the answer is not JSON ({exc})") from None
