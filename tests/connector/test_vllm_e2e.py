@@ -68,10 +68,13 @@ def _stored_keys(client: ClusterClient) -> set[str]:
 @pytest.mark.parametrize("mode", ["layerwise", "bulk"])
 def test_second_instance_loads_what_the_first_computed(etcd_server, model, prompts, reference, mode, tmp_path):
     p1, p2 = prompts
-    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster=f"e2e-{mode}") as cluster:
-        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": mode}
+    encrypted = mode == "layerwise"  # one of the two runs goes over the mutual-TLS data plane
+    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster=f"e2e-{mode}",
+                      tls=encrypted) as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": mode,
+                **({"tls_dir": str(cluster.tls.directory)} if encrypted else {})}
         a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
-        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
             # Exactly the whole chunks of both prompts (their shared 2 chunks once).
             expected = {k for keys in a["keys"] for k in keys}
             assert len(a["keys"][0]) == 4 and len(a["keys"][1]) == 4 and len(expected) == 6
