@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 
 from kvring.common import protocol as P
@@ -259,6 +260,17 @@ class ClusterClient:
     def list_keys(self, node: str, after: bytes = b"", limit: int = 10_000) -> list[bytes]:
         """Keys stored on ``node``, in byte order, starting after ``after`` (paged)."""
         return self.writes.call(node, P.ListKeys(rid=next_rid(), after=after, limit=limit)).keys
+
+    def copies(self, nodes: Sequence[str] | None = None) -> Counter[bytes]:
+        """How many of ``nodes`` (default: every member) hold each key, from their key lists; for
+        inspection and tests (it pages through every key of every node)."""
+        count: Counter[bytes] = Counter()
+        for node_id in sorted(self.members) if nodes is None else nodes:
+            after = b""
+            while keys := self.list_keys(node_id, after, 10_000):
+                count.update(keys)
+                after = keys[-1]
+        return count
 
     def request(self, node: str, msg):
         """Send one protocol request to one node and return its reply (tests, tools)."""

@@ -19,7 +19,6 @@ import random
 import statistics
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,9 +30,8 @@ from rich.table import Table
 from kvring.bench.report import grouped_bars, write_outputs
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
-from kvring.common.records import split_data_addr
 from kvring.common.units import format_size
-from kvring.local.cluster import LocalCluster, NodeProcess
+from kvring.local.cluster import LocalCluster
 
 RESTORE_TIMEOUT_S = 600.0
 
@@ -74,16 +72,6 @@ def _key(i: int) -> bytes:
     return b"repair-bench-%012d" % i
 
 
-def _copies(client, nodes: list[str]) -> Counter:
-    count: Counter = Counter()
-    for node_id in nodes:
-        after = b""
-        while keys := client.list_keys(node_id, after, 10_000):
-            count.update(keys)
-            after = keys[-1]
-    return count
-
-
 def _reader(client, s: RepairSettings, log: ReadLog, stop: threading.Event) -> None:
     rng = random.Random(1)
     while not stop.is_set():
@@ -105,15 +93,6 @@ def _reader(client, s: RepairSettings, log: ReadLog, stop: threading.Event) -> N
                 if rng.random() < 0.05 and bytes(c.data) != _payload(i, s.chunk_bytes):  # a sample, checked whole
                     log.wrong += 1
         log.samples.append((time.monotonic(), took, nbytes))
-
-
-def _restart_empty(cluster: LocalCluster, index: int) -> None:
-    old = cluster.nodes[index]
-    old.kill()
-    new = NodeProcess(old.node_id, old.memory, cluster.etcd, cluster.cluster, old.lease_ttl, cluster.contract,
-                      list(old.extra), data_port=split_data_addr(old.data_addr)[1],
-                      admin_port=int(old.admin_addr.rpartition(":")[2]))
-    cluster.nodes[index] = new.start(timeout=60)
 
 
 def _one_rate(s: RepairSettings, rate: int, progress: Progress) -> list[dict]:
@@ -145,11 +124,11 @@ def _one_rate(s: RepairSettings, rate: int, progress: Progress) -> list[dict]:
                 copied_before = sum(stats[n]["repair"]["copied_bytes_total"] for n in survivors)
                 time.sleep(2.0)
                 killed = time.monotonic()
-                _restart_empty(cluster, index)
+                cluster.restart_empty(index, timeout=60)
                 back = time.monotonic()
                 deadline = back + RESTORE_TIMEOUT_S
                 while time.monotonic() < deadline:
-                    c = _copies(client, ids)
+                    c = client.copies(ids)
                     if len(c) == s.chunks and all(n >= 2 for n in c.values()):
                         break
                     time.sleep(0.1)

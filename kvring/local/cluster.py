@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from kvring.common.contract import Contract
+from kvring.common.records import split_data_addr
 from kvring.common.tls import ClusterCredentials, generate
 
 logger = logging.getLogger(__name__)
@@ -292,6 +293,17 @@ class LocalCluster:
                            first.lease_ttl, self.contract, list(first.extra))
         self.nodes.append(node.start())
         return node
+
+    def restart_empty(self, index: int, timeout: float = 30.0) -> NodeProcess:
+        """SIGKILL node ``index`` and start it again under its id, empty, on the same ports (what
+        a container restart does); returns the new process, which also replaces it in ``nodes``."""
+        old = self.nodes[index]
+        old.kill()
+        new = NodeProcess(old.node_id, old.memory, self.etcd, self.cluster, old.lease_ttl, self.contract,
+                          list(old.extra), data_port=split_data_addr(old.data_addr)[1],
+                          admin_port=int(old.admin_addr.rpartition(":")[2]))
+        self.nodes[index] = new.start(timeout=timeout)
+        return new
 
     def etcd_run(self, fn):
         """Run ``await fn(etcd)`` against this cluster's etcd (an ``Etcd`` of its own), from sync code."""

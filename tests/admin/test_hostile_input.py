@@ -337,8 +337,6 @@ def test_the_admin_shows_the_copies_a_restarted_node_got_back(cluster_factory, a
     """R=2: a node SIGKILLed and restarted empty; the survivors' repair passes show in /v1/nodes
     (``repair``), and /v1/cluster lists nodes while they restore copies."""
     from kvring.common.contract import Contract
-    from kvring.common.records import split_data_addr
-    from kvring.local.cluster import NodeProcess
 
     cluster = cluster_factory(nodes=3, lease_ttl=3, contract=Contract(chunk_size=16, replication=2))
     admin = admin_server(cluster)
@@ -346,10 +344,7 @@ def test_the_admin_shows_the_copies_a_restarted_node_got_back(cluster_factory, a
         assert client.wait_for_nodes(3)
         keys = [b"admin-repair-%04d" % i for i in range(300)]
         client.put_many([ChunkItem.of(k, bytes(2048), (1, 2048), "uint8", 16) for k in keys])
-        old = cluster.nodes[0]
-        old.kill()
-        cluster.nodes[0] = NodeProcess(old.node_id, old.memory, cluster.etcd, cluster.cluster, old.lease_ttl,
-                                       cluster.contract, data_port=split_data_addr(old.data_addr)[1]).start()
+        cluster.restart_empty(0)
         owned = sum("node-0" in client.owners(k) for k in keys)
 
         def restored() -> int:

@@ -7,7 +7,6 @@ import hashlib
 import random
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,8 +15,6 @@ from polling import wait_for
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
-from kvring.common.records import split_data_addr
-from kvring.local.cluster import NodeProcess
 
 CHUNKS = 2_000
 RESTORE_BOUND_S = 30.0  # the bound this test states for 2 copies again after a restart
@@ -31,16 +28,6 @@ def _payload(i: int) -> bytes:
 
 def _key(i: int) -> bytes:
     return hashlib.blake2b(b"repair-%d" % i, digest_size=16).digest()
-
-
-def _copies(client: ClusterClient, nodes: list[str]) -> Counter:
-    count: Counter = Counter()
-    for node_id in nodes:
-        after = b""
-        while keys := client.list_keys(node_id, after, 5000):
-            count.update(keys)
-            after = keys[-1]
-    return count
 
 
 def _copied(client: ClusterClient, nodes: list[str]) -> int:
@@ -78,17 +65,6 @@ class Reader:
                     self.wrong.append(i)
 
 
-def _restart_empty(cluster, index: int) -> NodeProcess:
-    """SIGKILL node ``index`` and start it again, empty, on the same ports (a container restart)."""
-    old = cluster.nodes[index]
-    old.kill()
-    new = NodeProcess(old.node_id, old.memory, cluster.etcd, cluster.cluster, old.lease_ttl, cluster.contract,
-                      list(old.extra), data_port=split_data_addr(old.data_addr)[1],
-                      admin_port=int(old.admin_addr.rpartition(":")[2]))
-    cluster.nodes[index] = new.start(timeout=30)
-    return new
-
-
 def test_three_nodes_killed_and_restarted_empty_in_turn_lose_no_chunk(cluster_factory):
     cluster = cluster_factory(nodes=3, lease_ttl=3, contract=Contract(chunk_size=16, replication=2))
     node_ids = [n.node_id for n in cluster.nodes]
@@ -98,7 +74,7 @@ def test_three_nodes_killed_and_restarted_empty_in_turn_lose_no_chunk(cluster_fa
         items = [ChunkItem.of(_key(i), _payload(i), (1, len(_payload(i))), "uint8", 16) for i in range(CHUNKS)]
         for start in range(0, CHUNKS, 200):
             assert client.put_many(items[start:start + 200]) == [2] * len(items[start:start + 200])
-        assert all(n == 2 for n in _copies(client, node_ids).values())
+        assert all(n == 2 for n in client.copies(node_ids).values())
 
         reader = Reader(reading)
         thread = threading.Thread(target=reader.run, daemon=True)
@@ -109,7 +85,7 @@ def test_three_nodes_killed_and_restarted_empty_in_turn_lose_no_chunk(cluster_fa
             for index in range(3):
                 survivors = [n for n in node_ids if n != node_ids[index]]
                 copied_before = _copied(client, survivors)
-                new = _restart_empty(cluster, index)
+                new = cluster.restart_empty(index)
                 restarted = time.monotonic()
                 assert client.list_keys(new.node_id) == []  # it came back empty
                 # Every chunk is readable right away, from the surviving copy.
@@ -117,7 +93,7 @@ def test_three_nodes_killed_and_restarted_empty_in_turn_lose_no_chunk(cluster_fa
                 unreadable = [i for i, c in enumerate(chunks) if c is None or bytes(c.data) != _payload(i)]
                 assert unreadable == [], f"after restarting {new.node_id}: {len(unreadable)} chunks unreadable"
                 # The survivors copy back what the restarted node owned.
-                wait_for(lambda: (c := _copies(client, node_ids)) and len(c) == CHUNKS
+                wait_for(lambda: (c := client.copies(node_ids)) and len(c) == CHUNKS
                          and all(n == 2 for n in c.values()), RESTORE_BOUND_S,
                          f"2 copies of every chunk after {new.node_id} restarted empty")
                 restored_in.append(time.monotonic() - restarted)
@@ -162,8 +138,8 @@ def test_a_node_lost_for_good_and_a_node_joining_leave_exactly_two_copies(cluste
                          for i, k in enumerate(keys)])
         cluster.nodes[2].kill()
         assert client.wait_for_nodes(2, timeout=10, exact=True)
-        wait_for(lambda: all(n == 2 for n in _copies(client, ["node-0", "node-1"]).values())
-                 and len(_copies(client, ["node-0", "node-1"])) == len(keys), 20, "2 copies on the survivors")
+        wait_for(lambda: all(n == 2 for n in client.copies(["node-0", "node-1"]).values())
+                 and len(client.copies(["node-0", "node-1"])) == len(keys), 20, "2 copies on the survivors")
         joined = cluster.add_node()
         assert client.wait_for_nodes(3, exact=True)
         members = ["node-0", "node-1", joined.node_id]
