@@ -165,9 +165,7 @@ class Handoff:
                   avoid: frozenset[str] = frozenset()) -> int:
         """Run one repair pass on ``ring``; returns how many chunks left this node."""
         progress = self.repair
-        progress.active, progress.trigger = True, trigger or "drain"
-        progress.scanned = progress.missing = progress.copied = progress.copied_bytes = progress.unreachable = 0
-        progress.started_at, progress.finished_at = time.time(), None
+        progress.begin(trigger or "drain")
         repair = RepairPass(client, self.node_id, ring, progress, self._limit, self._stop, draining=draining,
                             page=self.page, batch=self.batch, avoid=avoid)
         try:
@@ -176,12 +174,7 @@ class Handoff:
             repair.incomplete = True
             raise
         finally:
-            progress.active = False
-            progress.passes += 1
-            progress.finished_at = time.time()
-            progress.last_pass_s = round(progress.finished_at - progress.started_at, 3)
-            progress.copied_total += progress.copied
-            progress.copied_bytes_total += progress.copied_bytes
+            progress.end()
             self.next_trigger = "retry" if repair.incomplete else "periodic"
             self.next_pass = time.monotonic() + (self.retry if repair.incomplete else self.repair_interval)
         if progress.copied:

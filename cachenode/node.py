@@ -23,7 +23,6 @@ import logging
 import os
 import secrets
 import signal
-import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,11 +79,6 @@ class NodeConfig:
     # show that a corrupt chunk is never loaded. Off unless --fault-injection is given.
     fault_injection: bool = False
     tls: ClusterCredentials | None = None  # the cluster's credentials: mutual TLS on the data port
-
-    @property
-    def client_tls(self) -> ssl.SSLContext | None:
-        """What this node's own clients (handoff, probes) connect with."""
-        return self.tls.client_context() if self.tls is not None else None
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -147,14 +141,16 @@ class CacheNode:
         threading.Thread(target=self.http.serve_forever, name="kvring-http", daemon=True).start()
         if self.config.etcd is None:
             return
+        # The id probe and the self-check PING this node's data port like any client.
+        client_tls = self.config.tls.client_context() if self.config.tls is not None else None
         check = None
         if self.config.self_check_interval > 0:
             interval = self.config.self_check_interval
             check = SelfCheck(lambda: self.record, self._data_plane_health, interval,
-                              self.config.self_check_failures, timeout=min(2.0, interval), tls=self.config.client_tls)
+                              self.config.self_check_failures, timeout=min(2.0, interval), tls=client_tls)
         self.registration = Registration(self.config.etcd, self.record, self.config.contract,
                                          self.config.lease_ttl, self.drain, self.config.drain_poll, check,
-                                         tls=self.config.client_tls)
+                                         tls=client_tls)
         self.registration.on_fatal = self._registration_lost
         self.registration.start()  # raises ContractMismatch or NodeIdTaken
         if self.config.handoff:

@@ -66,6 +66,21 @@ class RepairProgress:
     copied_bytes_total: int = 0
     rate_limit: int = 0  # bytes per second (0: none)
 
+    def begin(self, trigger: str) -> None:
+        """A pass starts: its own counts from zero, the totals kept."""
+        self.active, self.trigger = True, trigger
+        self.scanned = self.missing = self.copied = self.copied_bytes = self.unreachable = 0
+        self.started_at, self.finished_at = time.time(), None
+
+    def end(self) -> None:
+        """The pass is over (finished or broken off): its counts join the totals."""
+        self.active = False
+        self.passes += 1
+        self.finished_at = time.time()
+        self.last_pass_s = round(self.finished_at - (self.started_at or self.finished_at), 3)
+        self.copied_total += self.copied
+        self.copied_bytes_total += self.copied_bytes
+
     @property
     def moving(self) -> bool:
         """Copies are being restored right now (what makes a cluster ``Rebalancing``)."""
@@ -110,7 +125,7 @@ class RepairPass:
     """One pass over a node's keys on ``ring`` (see the module docstring)."""
 
     def __init__(self, client: ClusterClient, node_id: str, ring: HashRing, progress: RepairProgress,
-                 limit: RateLimit | None, stop: threading.Event, draining: bool = False, page: int = 1024,
+                 limit: RateLimit, stop: threading.Event, draining: bool = False, page: int = 1024,
                  batch: int = 32, avoid: frozenset[str] = frozenset()) -> None:
         self.client = client
         self.node_id = node_id
@@ -201,7 +216,7 @@ class RepairPass:
             copies = {n: [items[i] for i in idx if i in items] for n, idx in send.items()}
             copies = {n: its for n, its in copies.items() if its}
             nbytes = sum(memoryview(item.payload).nbytes for its in copies.values() for item in its)
-            if self.limit is not None and not self.draining:
+            if not self.draining:
                 self.limit.take(nbytes)
             by_key = {item.key: i for i, item in items.items()}
             for node_id, stored in self.client.put_to(copies).items():

@@ -58,7 +58,6 @@ class Server:
                  tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
         self.tls = tls  # the cluster's credentials: every connection must complete a TLS handshake
-        self.refused = 0  # connections refused at the TLS handshake (no or bad credentials, plain text)
         self.limits = limits
         self.allocate = allocate  # where large payloads are read into (see ``FrameReader``)
         self.listener = socket.create_server((host, port), backlog=512, reuse_port=False)
@@ -163,7 +162,6 @@ class Server:
             self._watch(conn, select.EPOLLOUT)
             return
         except (ssl.SSLError, OSError) as exc:
-            self.refused += 1
             self.on_refused(conn, exc)
             self._close(conn)
             return

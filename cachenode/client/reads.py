@@ -25,7 +25,7 @@ import xxhash
 
 from kvring.common import protocol as P
 from kvring.common.chunk import ChunkMeta
-from kvring.common.errors import ErrorCode, KVRingError, NodeUnavailable, NoOwners, RemoteError
+from kvring.common.errors import ErrorCode, KVRingError, NoOwners, RemoteError
 from kvring.common.ring import HashRing
 
 from .ringview import FailureMarks, Membership
@@ -110,10 +110,6 @@ class Reads:
                 groups[live[0]].append(i)
         return groups
 
-    def _failed(self, failure: Failure) -> None:
-        if isinstance(failure.error, NodeUnavailable):
-            self.marks.mark(failure.node_id, str(failure.error))
-
     # ---- LOOKUP -----------------------------------------------------------------------------
 
     def lookup(self, keys: list[bytes], lease_ms: int) -> list[bool]:
@@ -149,7 +145,7 @@ class Reads:
                 asked[ex.request(node_id, msg)] = idx
             for event in ex.events():
                 if isinstance(event, Failure):
-                    self._failed(event)
+                    self.marks.failed(event.node_id, event.error)
                     logger.debug("lookup on %s failed: %s", event.node_id, event.error)
                     for rid in event.rids:
                         for i in asked.pop(rid, ()):
@@ -253,7 +249,7 @@ class Reads:
                     r.tried.add(node_id)
             for event in ex.events():
                 if isinstance(event, Failure):
-                    self._failed(event)
+                    self.marks.failed(event.node_id, event.error)
                     if isinstance(event.error, RemoteError) and event.error.code == ErrorCode.BAD_RANGE:
                         raise event.error
                     for rid in event.rids:

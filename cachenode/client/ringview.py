@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvring.common.contract import Contract
-from kvring.common.errors import ContractMismatch, MembershipError
+from kvring.common.errors import ContractMismatch, MembershipError, NodeUnavailable
 from kvring.common.records import NodeRecord
 from kvring.common.ring import HashRing
 from kvring.membership.etcd import Change, Etcd, decode_record
@@ -93,6 +93,12 @@ class FailureMarks:
         self._marks[node_id] = (now + wait, streak)
         self.ejections += 1
         logger.warning("node %s ejected from routing for %.0fs (failure %d in a row): %s", node_id, wait, streak, why)
+
+    def failed(self, node_id: str, error: Exception) -> None:
+        """A request to ``node_id`` failed: eject it if the node itself is at fault (it could not
+        be reached or did not answer), not for an error it answered with."""
+        if isinstance(error, NodeUnavailable):
+            self.mark(node_id, str(error))
 
     def forgive(self, node_id: str) -> None:
         self._marks.pop(node_id, None)
@@ -249,8 +255,7 @@ class Membership:
             self.etcd_lost = True
             return
         self.etcd_lost = False
-        weights = {n: r.capacity for n, r in members.items() if r.on_ring}
-        ring = HashRing(weights, vnodes=self.contract.vnodes, replication=self.contract.replication, epoch=revision)
+        ring = HashRing.of_members(members, self.contract, revision)
         prev_ring, prev_until = old.prev_ring, old.prev_until
         if old.ring.nodes and set(old.ring.nodes) != set(ring.nodes):
             prev_ring, prev_until = old.ring, time.monotonic() + self.handoff_window

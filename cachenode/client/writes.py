@@ -52,8 +52,7 @@ class Writes:
                     asked[ex.request(node_id, msg, [item.payload])] = i
             for event in ex.events():
                 if isinstance(event, Failure):
-                    if isinstance(event.error, NodeUnavailable):
-                        self.marks.mark(event.node_id, str(event.error))
+                    self.marks.failed(event.node_id, event.error)
                     errors.append(event.error)
                     continue
                 stored[asked[event.rid]] += 1
@@ -81,8 +80,7 @@ class Writes:
                     asked[ex.request(node_id, msg, [item.payload])] = (node_id, i)
             for event in ex.events():
                 if isinstance(event, Failure):
-                    if isinstance(event.error, NodeUnavailable):
-                        self.marks.mark(event.node_id, str(event.error))
+                    self.marks.failed(event.node_id, event.error)
                     logger.debug("copy to %s failed: %s", event.node_id, event.error)
                     continue
                 node_id, i = asked[event.rid]
@@ -127,8 +125,7 @@ class Writes:
             ex.request(node_id, msg)
             for event in ex.events():
                 if isinstance(event, Failure):
-                    if isinstance(event.error, NodeUnavailable):
-                        self.marks.mark(node_id, str(event.error))
+                    self.marks.failed(node_id, event.error)
                     raise event.error
                 return event.msg
         raise NodeUnavailable(f"node {node_id} did not answer")

@@ -193,8 +193,7 @@ class ViewRefresher:
             return None
         if last is not None and last.ring is not None and last.members == members and last.contract == contract:
             return last.ring
-        weights = {n: r.capacity for n, r in members.items() if r.on_ring}
-        return HashRing(weights, vnodes=contract.vnodes, replication=contract.replication, epoch=revision)
+        return HashRing.of_members(members, contract, revision)
 
     async def _node_views(self, members: dict[str, NodeRecord]) -> tuple[NodeView, ...]:
         """Each member's record joined with its own ``/stats`` (read in parallel)."""

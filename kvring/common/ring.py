@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .hashing import ring_position, ring_positions
+
+if TYPE_CHECKING:
+    from .contract import Contract
+    from .records import NodeRecord
 
 DEFAULT_VNODES = 1024
 _SPACE = float(2**64)
@@ -30,6 +35,13 @@ class HashRing:
     _points: np.ndarray = field(init=False, repr=False, compare=False)
     _owners: np.ndarray = field(init=False, repr=False, compare=False)
     _ids: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    @classmethod
+    def of_members(cls, members: Mapping[str, NodeRecord], contract: Contract, epoch: int) -> HashRing:
+        """The ring every process builds from a cluster's members: the ones on the ring, weighted
+        by capacity, placed by the contract's virtual nodes and replication."""
+        weights = {node_id: rec.capacity for node_id, rec in members.items() if rec.on_ring}
+        return cls(weights, vnodes=contract.vnodes, replication=contract.replication, epoch=epoch)
 
     def __post_init__(self) -> None:
         if self.vnodes <= 0 or self.replication <= 0:
