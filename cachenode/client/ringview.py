@@ -36,7 +36,7 @@ from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError, NodeUnavailable
 from kvring.common.records import NodeRecord
 from kvring.common.ring import HashRing
-from kvring.membership.etcd import Change, Etcd, decode_record
+from kvring.membership.etcd import Change, Etcd, decode_contract, decode_record
 from kvring.membership.loop import etcd_loop
 from kvring.membership.settings import EtcdSettings
 
@@ -224,12 +224,7 @@ class Membership:
         """One watched change: the contract, or a node record written or gone."""
         self._revision = change.revision
         if change.key == self.settings.key("contract"):
-            try:
-                recorded = Contract.from_json(change.value) if change.value is not None else None
-            except (ValueError, TypeError, AttributeError):
-                logger.error("ignoring an unreadable contract written to etcd at revision %d", change.revision)
-                return
-            self._check_contract(recorded)
+            self._check_contract(decode_contract(change.key, change.value) if change.value is not None else None)
             return
         prefix = self.settings.nodes_prefix
         if not change.key.startswith(prefix):

@@ -51,6 +51,16 @@ def decode_record(key: bytes, value: bytes) -> NodeRecord | None:
         return None
 
 
+def decode_contract(key: bytes, value: bytes) -> Contract | None:
+    """The contract stored at ``key``, or None (logged) if it is unreadable: whoever follows the
+    cluster keeps the contract it has rather than stop following."""
+    try:
+        return Contract.from_json(value)
+    except (ValueError, TypeError, AttributeError):
+        logger.error("ignoring an unreadable contract at %s", key)
+        return None
+
+
 @dataclass(frozen=True)
 class ClusterSnapshot:
     """A cluster's contract and members as of one etcd revision (one range read)."""
@@ -175,7 +185,7 @@ class Etcd:
         contract, members = None, {}
         for kv in rng:
             if kv.key == contract_key:
-                contract = Contract.from_json(kv.value)
+                contract = decode_contract(kv.key, kv.value)
             elif kv.key.startswith(nodes) and (rec := decode_record(kv.key, kv.value)) is not None:
                 members[rec.node_id] = rec
         return ClusterSnapshot(contract, members, rng.header.revision)

@@ -83,3 +83,18 @@ def test_a_watch_from_a_compacted_revision_ends_with_a_clear_error(etcd_server):
 
     message = asyncio.run(run())
     assert "compacted" in message
+
+
+def test_an_unreadable_contract_written_to_etcd_does_not_stop_a_client_following(cluster_factory):
+    """Junk under the contract key (a hand edit, another tool): the client logs it, keeps its
+    contract, and goes on seeing members change, through the watch and through its resyncs."""
+    cluster = cluster_factory(nodes=2, lease_ttl=3)
+    key = f"/kvring/{cluster.cluster}/contract".encode()
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, resync_interval=0.5) as client:
+        assert client.wait_for_nodes(2)
+        contract = client.contract
+        cluster.etcd_run(lambda e: e.call(lambda c: c.put(key, b"\xff not json")))
+        wait_for(lambda: client.membership.resyncs >= 2, 10, "two resyncs over the junk")
+        cluster.nodes[1].stop()  # SIGTERM revokes its lease: its record goes at once
+        assert client.wait_for_nodes(1, timeout=5, exact=True)
+        assert client.contract == contract and client.membership.conflict is None
