@@ -196,7 +196,7 @@ class RepairPass:
         if gone:
             self.client.delete(gone, node=self.node_id)
             self.moved += len(gone)
-        elif leaving:
+        if len(gone) < len(leaving):  # some stay until their owners hold them: look again soon
             self.incomplete = True
 
     def _may_drop(self, v: PageVerdict, i: int) -> bool:
