@@ -178,3 +178,17 @@ def test_a_recording_proxy_between_client_and_node_sees_no_chunk_byte(cluster_fa
     assert (PATTERN in seen) is (not encrypted)
     leaked = sum(seen.find(data[at:at + 64]) >= 0 for at in range(0, len(data), 64 << 10))
     assert leaked == (0 if encrypted else len(range(0, len(data), 64 << 10)))
+
+
+def test_a_node_given_incomplete_credentials_refuses_to_start_saying_what_is_missing(tmp_path, etcd_server):
+    import subprocess
+    import sys
+
+    creds = generate(tmp_path / "creds", "c")
+    creds.key.unlink()  # a Secret mounted without its key
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.cli", "node", "--node-id", "n", "--etcd",
+                           etcd_server.endpoint, "--memory", "64MiB", "--tls-dir", str(creds.directory)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    said = " ".join((proc.stdout + proc.stderr).replace("│", " ").split())  # the usage error's box, unwrapped
+    assert "lacks tls.key" in said and "Traceback" not in said

@@ -126,6 +126,7 @@ def children(api: KubeAPI, name: str) -> dict[str, dict | None]:
         "Service nodes": api.get(path("v1", "services", f"{name}-nodes")),
         "ConfigMap": api.get(path("v1", "configmaps", f"{name}-config")),
         "PodDisruptionBudget": api.get(path("policy/v1", "poddisruptionbudgets", name)),
+        "Secret": api.get(path("v1", "secrets", f"{name}-tls")),  # the data plane's credentials (tls: true)
     }
 
 
@@ -176,6 +177,8 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
         args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--cluster") + 1] == f"{NS}.cache"
         assert args[args.index("--etcd") + 1] == etcd_server.endpoint
+        assert args[args.index("--tls-dir") + 1] == "/etc/kvring/tls"
+        assert sorted(objs["Secret"]["data"]) == ["ca.crt", "tls.crt", "tls.key"]
         # The status carries the connector settings and a valid-spec condition.
         cr = cc_when(api, "cache", lambda o: o.get("status", {}).get("connector"), what="status.connector")
         assert f'"cluster":"{NS}.cache"' in cr["status"]["connector"]
@@ -183,7 +186,8 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
         assert "kvring.io/cleanup" in cr["metadata"]["finalizers"]
         versions = {k: o["metadata"]["resourceVersion"] for k, o in objs.items()}
 
-    # A restarted operator resumes the object: create-or-patch finds nothing to change.
+    # A restarted operator resumes the object: create-or-patch finds nothing to change (and the
+    # credentials are never made anew: that would cut every node off from every client).
     with operator() as runner:
         time.sleep(1.5)  # the resume handler and a few status passes
         assert {k: o["metadata"]["resourceVersion"] for k, o in children(api, "cache").items()} == versions
