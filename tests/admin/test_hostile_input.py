@@ -9,15 +9,18 @@ API promises; the figures measured are printed (``pytest -s``)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import random
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-import aiohttp
 import httpx
 import numpy as np
 import pytest
@@ -32,6 +35,7 @@ from kvring.local.cluster import LocalCluster, LocalEtcd
 MiB = 1 << 20
 LIMIT_TEXT = "1.0 MiB (1048576 bytes)"  # the default max_body_bytes, as the 413 states it
 NAMESPACE = "kvring/v1/hostile"
+LOADGEN = Path(__file__).with_name("loadgen.py")
 TOKEN = "test-token-0123456789abcdef"  # the token conftest's admin_server starts the admin with
 
 
@@ -200,51 +204,44 @@ class Outcome:
     seconds: float
 
 
-def _request_mix(tokens: list[int], n: int, seed: int = 1) -> list[tuple[str, str, str, dict]]:
-    """``n`` requests (kind, method, path, aiohttp keyword arguments), shuffled: reads of the view,
-    lookups and key owners that ask the nodes, and requests that must be refused."""
+def _request_mix(tokens: list[int], n: int, seed: int = 1) -> list[dict]:
+    """``n`` requests as ``loadgen`` takes them, shuffled: reads of the view, lookups and key
+    owners that ask the nodes, and requests that must be refused."""
     stored_key = chained_hashes(NAMESPACE, tokens, 256)[0].hex()
+    as_json = {"content-type": "application/json"}
     kinds = {
-        "healthz": ("GET", "/healthz", {}),
-        "cluster": ("GET", "/v1/cluster", {}),
-        "nodes": ("GET", "/v1/nodes", {}),
-        "node": ("GET", "/v1/nodes/node-1", {}),
-        "lookup": ("POST", "/v1/lookup", {"json": {"token_ids": tokens, "namespace": NAMESPACE}}),
-        "owners": ("GET", f"/v1/keys/{stored_key}/owners", {}),
-        "bad-json": ("POST", "/v1/lookup", {"data": b"{junk", "headers": {"content-type": "application/json"}}),
-        "not-utf8": ("POST", "/v1/lookup", {"data": b'{"token_ids": [1], "namespace": "\xff"}',
-                                            "headers": {"content-type": "application/json"}}),
-        "bad-key": ("GET", "/v1/keys/zz/owners", {}),
-        "no-node": ("GET", "/v1/nodes/node-9", {}),
+        "healthz": {"method": "GET", "path": "/healthz"},
+        "cluster": {"method": "GET", "path": "/v1/cluster"},
+        "nodes": {"method": "GET", "path": "/v1/nodes"},
+        "node": {"method": "GET", "path": "/v1/nodes/node-1"},
+        "lookup": {"method": "POST", "path": "/v1/lookup", "json": {"token_ids": tokens, "namespace": NAMESPACE}},
+        "owners": {"method": "GET", "path": f"/v1/keys/{stored_key}/owners"},
+        "bad-json": {"method": "POST", "path": "/v1/lookup", "data_b64": _b64(b"{junk"), "headers": as_json},
+        "not-utf8": {"method": "POST", "path": "/v1/lookup", "headers": as_json,
+                     "data_b64": _b64(b'{"token_ids": [1], "namespace": "\xff"}')},
+        "bad-key": {"method": "GET", "path": "/v1/keys/zz/owners"},
+        "no-node": {"method": "GET", "path": "/v1/nodes/node-9"},
     }
     weights = {"healthz": 20, "cluster": 15, "nodes": 15, "node": 5, "lookup": 20, "owners": 10, "bad-json": 5,
                "not-utf8": 4, "bad-key": 3, "no-node": 3}
     names = [k for k, w in weights.items() for _ in range(w)]
     rnd = random.Random(seed)
-    return [(name, *kinds[name]) for name in (rnd.choice(names) for _ in range(n))]
+    return [{"kind": name, **kinds[name]} for name in (rnd.choice(names) for _ in range(n))]
 
 
-async def _fire(session: aiohttp.ClientSession, requests: list[tuple[str, str, str, dict]],
-                concurrency: int) -> list[Outcome]:
-    """Send ``requests`` with at most ``concurrency`` in flight; each one's status and latency."""
-    slots = asyncio.Semaphore(concurrency)
-
-    async def one(kind: str, method: str, path: str, kw: dict) -> Outcome:
-        async with slots:
-            started = time.perf_counter()
-            async with session.request(method, path, **kw) as resp:
-                await resp.read()
-                return Outcome(kind, resp.status, time.perf_counter() - started)
-    return list(await asyncio.gather(*(one(*r) for r in requests)))
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
-async def _load(url: str, warmup: list, measured: list, concurrency: int) -> tuple[list[Outcome], list[Outcome]]:
-    """``warmup`` then ``measured`` over the same ``concurrency`` connections (opened by the warm-up).
-
-    aiohttp rather than httpx: httpx's AsyncClient spends ~10 ms of CPU per request with 100
-    connections open, which would measure the client, not the server."""
-    async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-        return await _fire(session, warmup, concurrency), await _fire(session, measured, concurrency)
+def _load(url: str, warmup: list[dict], measured: list[dict], concurrency: int) -> tuple[list[Outcome], list[Outcome]]:
+    """``warmup`` then ``measured`` from a ``loadgen`` process, over the same ``concurrency``
+    connections (opened by the warm-up)."""
+    plan = {"url": url, "concurrency": concurrency, "warmup": warmup, "measured": measured}
+    done = subprocess.run([sys.executable, "-P", str(LOADGEN)], input=json.dumps(plan), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcomes = [Outcome(*o) for o in json.loads(done.stdout)]
+    return outcomes[:len(warmup)], outcomes[len(warmup):]
 
 
 def _p(values: list[float], q: float) -> float:
@@ -257,8 +254,8 @@ def test_1000_concurrent_mixed_requests(server, stored_prompt):
     with server.client() as api:
         fresh_enough = lambda: api.get("/v1/nodes").json()["view"]["age_s"] < 5  # noqa: E731
         wait_for(fresh_enough, 10, "a current view")
-    warmup, outcomes = asyncio.run(_load(server.url, _request_mix(tokens, 200, seed=2), _request_mix(tokens, 1000),
-                                         concurrency=100))
+    warmup, outcomes = _load(server.url, _request_mix(tokens, 200, seed=2), _request_mix(tokens, 1000),
+                             concurrency=100)
 
     assert len(outcomes) == 1000
     server_errors = [o for o in warmup + outcomes if o.status >= 500]
