@@ -35,11 +35,13 @@ from kvring.common.errors import ContractMismatch, NodeIdTaken
 from kvring.common.records import NodeRecord
 from kvring.common.tls import ClusterCredentials, CredentialsError
 from kvring.common.types import LEFT_RING_STATES, NodeState
+from kvring.events.publisher import PublisherSettings
 from kvring.membership.settings import EtcdSettings
 
 from .buffers import BufferPool
 from .dispatch import Dispatcher
 from .drain import Drain
+from .events import NodeEvents
 from .framing import FrameLimits
 from .handoff import Handoff
 from .http import make_http_server
@@ -79,6 +81,8 @@ class NodeConfig:
     # show that a corrupt chunk is never loaded. Off unless --fault-injection is given.
     fault_injection: bool = False
     tls: ClusterCredentials | None = None  # the cluster's credentials: mutual TLS on the data port
+    # KV events (vLLM's wire format) of the chunks that name their blocks; None: not published.
+    events: PublisherSettings | None = None
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -109,6 +113,11 @@ class CacheNode:
         self.store = ChunkStore(config.memory, make_policy(config.policy), config.max_leased_fraction,
                                 recycle=self.buffers.give)
         self.metrics = NodeMetrics(self.store)
+        self.events: NodeEvents | None = None
+        if config.events is not None:
+            cluster = config.etcd.cluster if config.etcd is not None else "default"
+            self.events = NodeEvents(cluster, config.events)
+            self.store.watch(self.events)
         limits = FrameLimits(max_header=P.MAX_HEADER_BYTES, max_payloads=4, max_payload=config.max_chunk_bytes,
                              max_total=config.max_chunk_bytes)
         self.server = Server(config.host, config.data_port, handler=lambda conn, msg: None, limits=limits,
@@ -127,6 +136,8 @@ class CacheNode:
             capacity=config.memory,
             pid=os.getpid(),
             incarnation=secrets.token_hex(8),
+            events_addr=f"tcp://{adv}:{self.events.publisher.port}" if self.events else "",
+            events_replay_addr=f"tcp://{adv}:{self.events.publisher.replay_port}" if self.events else "",
         )
         self.drain = Drain(config.node_id, state=lambda: self.record.state, set_state=self.set_state,
                            held=lambda: len(self.store))
@@ -202,6 +213,8 @@ class CacheNode:
         if self.registration is not None:
             self.registration.leave(drained=self.record.state == NodeState.DRAINED and "etcd" in self.drain.requests)
         self.http.shutdown()
+        if self.events is not None:
+            self.events.close()
 
     def stats(self) -> dict:
         """The node's ``/stats`` (run it on the I/O thread: it reads the store)."""
@@ -232,6 +245,7 @@ class CacheNode:
             "connections": len(self.server.conns),
             "tls": self.config.tls is not None,
             "tls_refused": self.metrics.refused_count,
+            "kv_events": self.events.publisher.stats() if self.events else None,
             "uptime_s": round(time.time() - self.started, 3),
             "pid": os.getpid(),
         }

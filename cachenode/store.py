@@ -25,6 +25,10 @@ Namespaces: the store counts the chunks of each namespace their metadata names, 
 of one namespace scans the store once for them (tens of milliseconds at 200,000 chunks; flushes
 are rare admin operations, while an index would cost every chunk another hash-table slot).
 Chunks without a namespace (``""``) are not counted and no flush reaches them.
+
+Watchers: ``watch(StoreWatcher)`` is told of every chunk that comes (``stored``) and every one
+that goes, deleted, flushed or evicted (``removed``), on the owning thread, as it happens; a
+watcher must not block (the node's KV events queue them for their own thread).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -71,6 +75,18 @@ class Entry:
     meta: ChunkMeta
     buf: Any  # the payload, the very object given to ``put``: a contiguous, layer-major buffer
 
+    @property
+    def charge(self) -> int:
+        """Bytes charged to the budget: payload, bookkeeping, and the vLLM blocks it names."""
+        blocks = self.meta.blocks
+        return _payload_bytes(self.buf) + ENTRY_OVERHEAD + (blocks.nbytes if blocks is not None else 0)
+
+
+class StoreWatcher(Protocol):
+    def stored(self, key: bytes, meta: ChunkMeta) -> None: ...
+
+    def removed(self, key: bytes, meta: ChunkMeta) -> None: ...
+
 
 class StoreFull(KVRingError):
     """The chunk cannot fit even in an empty store."""
@@ -78,10 +94,6 @@ class StoreFull(KVRingError):
 
 def _payload_bytes(buf) -> int:
     return memoryview(buf).nbytes
-
-
-def _charge(buf) -> int:
-    return memoryview(buf).nbytes + ENTRY_OVERHEAD
 
 
 class ChunkStore:
@@ -113,6 +125,10 @@ class ChunkStore:
         self.used = 0
         self.evictions = 0
         self.evicted_bytes = 0
+        self._watchers: list[StoreWatcher] = []
+
+    def watch(self, watcher: StoreWatcher) -> None:
+        self._watchers.append(watcher)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -147,16 +163,18 @@ class ChunkStore:
             if self.recycle is not None:  # the copy already stored stays; this one's buffer can serve again
                 self.recycle(buf)
             return False
-        charge = _charge(buf)
+        entry = Entry(self._shared(meta), buf)
+        charge = entry.charge
         if charge > self.capacity:
-            raise StoreFull(f"chunk of {charge - ENTRY_OVERHEAD} bytes (+{ENTRY_OVERHEAD} of bookkeeping) "
+            raise StoreFull(f"chunk of {_payload_bytes(buf)} bytes (+{charge - _payload_bytes(buf)} of bookkeeping) "
                             f"exceeds the store's capacity of {self.capacity}")
         self._make_room(charge)
-        meta = self._shared(meta)
-        self._entries[key] = Entry(meta, buf)
+        self._entries[key] = entry
         if meta.namespace:
             self._namespace_chunks[meta.namespace] = self._namespace_chunks.get(meta.namespace, 0) + 1
         self.used += charge
+        for watcher in self._watchers:
+            watcher.stored(key, entry.meta)
         return True
 
     def replace_payload(self, key: bytes, buf) -> bool:
@@ -220,7 +238,7 @@ class ChunkStore:
     def _lease(self, key: bytes, until: float) -> None:
         current = self._lease_until.get(key)
         if current is None:
-            charge = _charge(self._entries[key].buf)
+            charge = self._entries[key].charge
             if self._leased_bytes + charge > self.max_leased_bytes:
                 return  # past the bound: reported present, not protected
             self._leased_bytes += charge
@@ -235,7 +253,7 @@ class ChunkStore:
             until, key = heapq.heappop(heap)
             if self._lease_until.get(key) == until:  # else stale: extended or dropped since
                 del self._lease_until[key]
-                self._leased_bytes -= _charge(self._entries[key].buf)
+                self._leased_bytes -= self._entries[key].charge
         self._compact_leases()
 
     def _compact_leases(self) -> None:
@@ -249,7 +267,7 @@ class ChunkStore:
 
     def _shared(self, meta: ChunkMeta) -> ChunkMeta:
         """``meta`` sharing its shape list, dtype, token count and namespace with the chunks
-        stored before it that have equal ones: only its checksums are its own."""
+        stored before it that have equal ones: only its checksums and blocks are its own."""
         fields = (tuple(meta.shape), meta.dtype, meta.tokens, meta.namespace)
         template = self._templates.get(fields)
         if template is None:
@@ -257,7 +275,7 @@ class ChunkStore:
                 self._templates.clear()
             self._templates[fields] = meta
             return meta
-        return msgspec.structs.replace(template, checksums=meta.checksums)
+        return msgspec.structs.replace(template, checksums=meta.checksums, blocks=meta.blocks)
 
     def _make_room(self, charge: int) -> None:
         if self.used + charge <= self.capacity:
@@ -272,7 +290,7 @@ class ChunkStore:
                 if honour_leases and key in self._lease_until:
                     continue
                 victims.append(key)
-                needed -= _charge(self._entries[key].buf)
+                needed -= self._entries[key].charge
             for key in victims:
                 entry = self._entries.pop(key)
                 self._forget(key, entry)
@@ -282,7 +300,7 @@ class ChunkStore:
                 return
 
     def _forget(self, key: bytes, entry: Entry) -> None:
-        charge = _charge(entry.buf)
+        charge = entry.charge
         self.used -= charge
         if self.recycle is not None:
             self.recycle(entry.buf)
@@ -296,3 +314,5 @@ class ChunkStore:
                 self._namespace_chunks[ns] = left
             else:
                 del self._namespace_chunks[ns]
+        for watcher in self._watchers:
+            watcher.removed(key, entry.meta)

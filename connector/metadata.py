@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvring.common.chunk import ChunkBlocks
+
 
 @dataclass
 class LoadSpec:
@@ -30,6 +32,8 @@ class SaveSpec:
     start: int
     end: int
     namespace: str = ""  # the request's key namespace (model, layout, cache_salt): flushable as one
+    # per key: the vLLM blocks the chunk holds, for the cluster's KV events (None: unannounced)
+    blocks: list[ChunkBlocks | None] = field(default_factory=list)
 
 
 @dataclass

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkBlocks
 
 from .adapters import AdapterIdentities
 from .admission import LoadCostModel
+from .block_events import chunk_blocks
 from .config import ConnectorConfig
 from .keys import KVLayout
 from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
@@ -288,7 +290,17 @@ class SchedulerSide:
             keys, end = keys + [tracker.keys[full]], tracker.prompt_len
             tracker.tail_done = True
         tracker.saved_chunks = max(tracker.saved_chunks, full)
-        return SaveSpec(keys, start, end, tracker.namespace) if keys else None
+        if not keys:
+            return None
+        return SaveSpec(keys, start, end, tracker.namespace, self._blocks(tracker, start, end, len(keys)))
+
+    def _blocks(self, tracker: RequestTracker, start: int, end: int, n: int) -> list[ChunkBlocks | None]:
+        """The vLLM blocks of each of the ``n`` chunks saved from token ``start`` (for KV events)."""
+        if tracker.request is None:
+            return [None] * n
+        c = self.chunk
+        return [chunk_blocks(tracker.request, start + i * c, min(start + (i + 1) * c, end), self.block_size)
+                for i in range(n)]
 
     # ---- worker output, finish, weights --------------------------------------------------------
 

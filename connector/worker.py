@@ -36,7 +36,7 @@ from kvring.common.chunk import ChunkItem
 
 from .config import ConnectorConfig
 from .copies import buffer_runs, copies_for, slot_runs
-from .metadata import KVRingMetadata, ReqMeta
+from .metadata import KVRingMetadata, ReqMeta, SaveSpec
 from .stats import Counters
 
 logger = logging.getLogger(__name__)
@@ -311,15 +311,16 @@ class WorkerSide:
             bufs, runs = self._saves[req.req_id]
             self.copies.gather_into(kv_layer, runs, bufs, layer)
             if layer == len(self.layer_names) - 1:
-                self._saver.submit(self._put, save.keys, self._saves.pop(req.req_id)[0], self.copies.saved(),
-                                   save.namespace)
+                self._saver.submit(self._put, save, self._saves.pop(req.req_id)[0], self.copies.saved())
 
-    def _put(self, keys: list[bytes], bufs: list[torch.Tensor], copied=None, namespace: str = "") -> None:
+    def _put(self, save: SaveSpec, bufs: list[torch.Tensor], copied=None) -> None:
         start = time.perf_counter()
+        keys = save.keys
+        blocks = save.blocks or [None] * len(keys)
         try:
             self.copies.wait_saved(copied)  # on CUDA: the device-to-host copies have landed
             items = [ChunkItem.of(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1],
-                                  namespace) for key, buf in zip(keys, bufs)]
+                                  save.namespace).with_blocks(b) for key, buf, b in zip(keys, bufs, blocks)]
             stored = self.client.put_many(items)
             saved = [buf for buf, s in zip(bufs, stored) if s]
             self.chunks_saved += len(saved)

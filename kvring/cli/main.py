@@ -60,6 +60,12 @@ def node(
     repair_interval: Annotated[float, typer.Option(help="Seconds between repair passes when the ring "
                                                         "does not change.")] = 60.0,
     tls_dir: TlsDirOpt = None,
+    events: Annotated[bool, typer.Option(help="Publish KV events (vLLM's wire format) of the chunks stored and "
+                                              "removed, for KV-aware routers.")] = True,
+    events_port: Annotated[int, typer.Option(help="ZMQ PUB port of the KV events (0: any free port).")] = 0,
+    events_replay_port: Annotated[int, typer.Option(help="ZMQ ROUTER port replaying recent KV-event batches "
+                                                         "(0: any free port).")] = 0,
+    events_topic: Annotated[str, typer.Option(help="Topic frame of every KV-event message.")] = "",
     self_check_interval: Annotated[float, typer.Option(
         help="Seconds between PINGs of its own data port; 3 missed in a row take the node off the ring until "
              "it answers again (0: no check).", min=0)] = 5.0,
@@ -76,6 +82,7 @@ def node(
     from kvring.cachenode.node import NodeConfig, run_node
     from kvring.common.contract import Contract
     from kvring.common.tls import ClusterCredentials
+    from kvring.events.publisher import PublisherSettings
     from kvring.membership.settings import EtcdSettings
 
     _logging(verbose)
@@ -89,7 +96,9 @@ def node(
             repair_rate=_size(repair_rate, "--repair-rate"),
             repair_interval=repair_interval, self_check_interval=self_check_interval,
             tls=ClusterCredentials.at(tls_dir) if tls_dir else None, fault_injection=fault_injection,
-            contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication))
+            contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication),
+            events=PublisherSettings(host=host, port=events_port, replay_port=events_replay_port,
+                                     topic=events_topic) if events else None)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     raise typer.Exit(run_node(config))

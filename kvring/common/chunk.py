@@ -9,6 +9,12 @@ A chunk may name the namespace it was computed in (the connector's model/layout/
 namespace), so a whole namespace can be flushed from the cluster at once.  ``""`` means none:
 such chunks are never touched by a flush.  The field is the last one of the metadata array, so
 chunks from clients that do not send it decode with ``""``, and older nodes ignore it.
+
+A chunk may also carry ``blocks`` (``ChunkBlocks``): the vLLM prefix-cache blocks it holds —
+their block hashes as vLLM computes them, the hash of the block before them, their token ids,
+block size and LoRA name — which is what the nodes' KV events (``kvring.events``) tell routers
+when the chunk is stored and when it goes.  kvring's own keys never depend on it.  Like
+``namespace`` it is a trailing, defaulted field, so both ways of older peers still decode.
 """
 
 from __future__ import annotations
@@ -36,6 +42,49 @@ DTYPE_SIZES: dict[str, int] = {
 }
 MAX_DIMS = 8
 MAX_NAMESPACE_BYTES = 256
+MAX_BLOCKS_PER_CHUNK = 4096
+MAX_BLOCK_HASH_BYTES = 64
+MAX_LORA_NAME_BYTES = 256
+MAX_EXTRA_KEYS_BYTES = 64 << 10
+
+# A block hash as vLLM publishes it (``ExternalBlockHash``): a 64-bit int by default, the hash's
+# bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0.
+BlockHash = int | bytes
+
+
+class ChunkBlocks(msgspec.Struct, frozen=True, array_like=True):
+    """The vLLM prefix-cache blocks a chunk holds, as vLLM's ``BlockStored`` event names them.
+
+    ``token_ids`` is packed (little-endian uint32), ``block_size`` tokens per block hash.
+    ``extra_keys`` is msgpack of vLLM's per-block extra keys in the untagged form its events
+    carry (``to_event_extra_keys``: LoRA name, ``(mm_identifier, offset)`` pairs, cache salt,
+    prompt-embedding digests), passed through as it came."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: bytes
+    block_size: int
+    lora_name: str | None = None
+    extra_keys: bytes | None = None
+
+    @classmethod
+    def of(cls, block_hashes: list[BlockHash], parent_block_hash: BlockHash | None, token_ids: list[int],
+           block_size: int, lora_name: str | None = None, extra_keys: list | None = None) -> ChunkBlocks:
+        packed = np.asarray(token_ids, dtype="<u4").tobytes()
+        extra = None if extra_keys is None else msgspec.msgpack.encode(extra_keys)
+        return cls(list(block_hashes), parent_block_hash, packed, int(block_size), lora_name, extra)
+
+    def tokens(self) -> list[int]:
+        return np.frombuffer(self.token_ids, dtype="<u4").tolist()
+
+    def extra_key_list(self) -> list | None:
+        return None if self.extra_keys is None else msgspec.msgpack.decode(self.extra_keys)
+
+    @property
+    def nbytes(self) -> int:
+        """What holding it costs a node, about: its objects and their contents."""
+        hashes = sum(len(h) + 33 if isinstance(h, bytes) else 36 for h in self.block_hashes)
+        return 200 + hashes + 8 * len(self.block_hashes) + len(self.token_ids) + len(self.extra_keys or b"")
 
 
 class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -46,6 +95,7 @@ class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
     tokens: int
     checksums: list[int]
     namespace: str = ""  # trailing and defaulted: wire-compatible both ways
+    blocks: ChunkBlocks | None = None  # likewise
 
     @property
     def layers(self) -> int:
@@ -104,6 +154,13 @@ class ChunkItem:
         arr = np.ascontiguousarray(arr)
         return cls(bytes(key), arr, make_meta(arr, arr.shape, dtype or arr.dtype.name, tokens, namespace))
 
+    def with_blocks(self, blocks: ChunkBlocks | None) -> ChunkItem:
+        """This chunk naming the vLLM blocks it holds (checked like any metadata)."""
+        meta = msgspec.structs.replace(self.meta, blocks=blocks)
+        if blocks is not None:
+            validate_blocks(blocks, meta.tokens)
+        return ChunkItem(self.key, self.payload, meta)
+
     @property
     def nbytes(self) -> int:
         return self.meta.nbytes
@@ -123,5 +180,35 @@ def validate_meta(meta: ChunkMeta, max_bytes: int | None) -> None:
         raise ProtocolError(f"{len(meta.checksums)} checksums for {meta.shape[0]} layers")
     if len(meta.namespace.encode()) > MAX_NAMESPACE_BYTES:
         raise ProtocolError(f"namespace of {len(meta.namespace.encode())} bytes exceeds {MAX_NAMESPACE_BYTES}")
+    if meta.blocks is not None:
+        validate_blocks(meta.blocks, meta.tokens)
     if max_bytes is not None and meta.nbytes > max_bytes:
         raise ProtocolError(f"chunk of {meta.nbytes} bytes exceeds the maximum of {max_bytes}", "too_large")
+
+
+def validate_blocks(blocks: ChunkBlocks, chunk_tokens: int) -> None:
+    """Raise ``ProtocolError`` unless ``blocks`` names whole blocks within the chunk's tokens."""
+    n = len(blocks.block_hashes)
+    if not 1 <= n <= MAX_BLOCKS_PER_CHUNK:
+        raise ProtocolError(f"blocks: 1..{MAX_BLOCKS_PER_CHUNK} block hashes per chunk, got {n}")
+    if blocks.block_size <= 0 or n * blocks.block_size > chunk_tokens:
+        raise ProtocolError(f"blocks: {n} blocks of {blocks.block_size} tokens do not fit a chunk of "
+                            f"{chunk_tokens} tokens")
+    if len(blocks.token_ids) != 4 * n * blocks.block_size:
+        raise ProtocolError(f"blocks: {len(blocks.token_ids)} bytes of token ids for {n} blocks of "
+                            f"{blocks.block_size} tokens (4 bytes each)")
+    for h in (*blocks.block_hashes, blocks.parent_block_hash):
+        if isinstance(h, int) and not 0 <= h < 1 << 64 or isinstance(h, bytes) and len(h) > MAX_BLOCK_HASH_BYTES:
+            raise ProtocolError(f"blocks: a block hash must be a 64-bit unsigned int or at most "
+                                f"{MAX_BLOCK_HASH_BYTES} bytes")
+    if blocks.lora_name is not None and len(blocks.lora_name.encode()) > MAX_LORA_NAME_BYTES:
+        raise ProtocolError(f"blocks: a LoRA name of more than {MAX_LORA_NAME_BYTES} bytes")
+    if blocks.extra_keys is not None:
+        if len(blocks.extra_keys) > MAX_EXTRA_KEYS_BYTES:
+            raise ProtocolError(f"blocks: extra keys over {MAX_EXTRA_KEYS_BYTES} bytes")
+        try:
+            extra = blocks.extra_key_list()
+        except (msgspec.DecodeError, ValueError, RecursionError):
+            raise ProtocolError("blocks: extra keys are not msgpack") from None
+        if not isinstance(extra, list) or len(extra) != n:
+            raise ProtocolError(f"blocks: extra keys must be a list of one entry per block ({n})")

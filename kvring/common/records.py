@@ -17,6 +17,9 @@ class NodeRecord(msgspec.Struct, frozen=True):
     # Random per process start: a node restarted under its id (same pid 1 in a container, same
     # address) is a new incarnation, and its peers know it may have come back empty.
     incarnation: str = ""
+    # The node's KV events (vLLM's wire format): PUB and replay ROUTER, "tcp://host:port"; "" if off.
+    events_addr: str = ""
+    events_replay_addr: str = ""
 
     @property
     def on_ring(self) -> bool:

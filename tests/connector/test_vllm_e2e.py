@@ -13,6 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kv_event_tap import EventTap, removed_hashes, replay, stored_hashes, vllm_block_hashes
+from polling import wait_for
+from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
 
 from kvring.cachenode.client import ClusterClient
 from kvring.local.cluster import LocalCluster
@@ -73,15 +76,27 @@ def test_second_instance_loads_what_the_first_computed(etcd_server, model, promp
                       tls=encrypted) as cluster:
         conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": mode,
                 **({"tls_dir": str(cluster.tls.directory)} if encrypted else {})}
-        a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
         with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
-            # Exactly the whole chunks of both prompts (their shared 2 chunks once).
-            expected = {k for keys in a["keys"] for k in keys}
-            assert len(a["keys"][0]) == 4 and len(a["keys"][1]) == 4 and len(expected) == 6
-            assert _stored_keys(client) == expected
-        b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
-            {"tokens": p1}, {"tokens": p2}, {"tokens": p1[:512] + p2[700:]}, {"tokens": p1, "salt": "tenant-b"},
-            {"tokens": p1[:1024]}]})
+            nodes = list(client.members.values())
+        tap = EventTap([n.events_addr for n in nodes])  # the pool's KV events, followed live
+        try:
+            a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
+            with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
+                # Exactly the whole chunks of both prompts (their shared 2 chunks once).
+                expected = {k for keys in a["keys"] for k in keys}
+                assert len(a["keys"][0]) == 4 and len(a["keys"][1]) == 4 and len(expected) == 6
+                assert _stored_keys(client) == expected
+                _check_kv_events(tap, nodes, cluster.cluster, p1, p2)
+            b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
+                {"tokens": p1}, {"tokens": p2}, {"tokens": p1[:512] + p2[700:]}, {"tokens": p1, "salt": "tenant-b"},
+                {"tokens": p1[:1024]}]})
+            # Deleting a chunk (p2's last) announces the removal of exactly its 2 blocks.
+            with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
+                assert client.delete([bytes.fromhex(a["keys"][1][3])]) == 1
+            wait_for(lambda: removed_hashes(tap.events()), 10, "the deleted chunk's removal announced")
+            assert removed_hashes(tap.events()) == vllm_block_hashes(p2[:4 * CHUNK], 128)[6:8]
+        finally:
+            tap.close()
     outs = [r["tokens"] for r in b["results"]]
     cached = [r["cached"] for r in b["results"]]
     assert outs[:3] == reference[:3] and outs[3] == reference[0] and outs[4] == reference[3]
@@ -89,6 +104,34 @@ def test_second_instance_loads_what_the_first_computed(etcd_server, model, promp
     # Every whole chunk; k chunks; another salt: nothing; a prompt that is all cached (exactly 4
     # chunks): up to the last block boundary before its last token (CPU backend blocks: 128).
     assert cached == [4 * CHUNK, 4 * CHUNK, 2 * CHUNK, 0, 1024 - 128]
+
+
+def _check_kv_events(tap: EventTap, nodes: list, cluster: str, p1: list[int], p2: list[int]) -> None:
+    """The pool announced every block A saved under the hash vLLM gives it, to a live subscriber
+    and through each node's replay."""
+    block = 128  # the CPU backend's block size: 2 blocks per chunk
+    p1_hashes, p2_hashes = vllm_block_hashes(p1[:4 * CHUNK], block), vllm_block_hashes(p2[:4 * CHUNK], block)
+    assert p1_hashes[:4] == p2_hashes[:4] and len(set(p1_hashes + p2_hashes)) == 12  # 2 chunks shared
+    wait_for(lambda: len(stored_hashes(tap.events())) >= 12, 10, "the stores of 6 chunks announced")
+    live = [e for e in tap.events() if not isinstance(e, AllBlocksCleared)]  # (the nodes started before)
+    assert sorted(stored_hashes(live)) == sorted(set(p1_hashes + p2_hashes))  # each chunk once (R=1)
+    tokens_of = {h: p[i * block:(i + 1) * block] for p, hs in ((p1, p1_hashes), (p2, p2_hashes))
+                 for i, h in enumerate(hs)}
+    for e in live:
+        assert isinstance(e, BlockStored)
+        assert (e.medium, e.locality, e.ownership, e.block_size) == ("CPU", "REMOTE", f"kvring/{cluster}", block)
+        assert e.token_ids == [t for h in e.block_hashes for t in tokens_of[h]]
+        parent = {h: p for hs in (p1_hashes, p2_hashes) for p, h in zip([None, *hs], hs)}[e.block_hashes[0]]
+        assert e.parent_block_hash == parent
+    # A subscriber that joins now gets each node's history through its replay socket: the node
+    # starting empty (AllBlocksCleared), then every store it announced.
+    replayed = []
+    for node in nodes:
+        batches = replay(node.events_replay_addr)
+        assert [seq for seq, _ in batches] == list(range(len(batches)))
+        assert isinstance(batches[0][1].events[0], AllBlocksCleared)
+        replayed += [e for _, batch in batches for e in batch.events if not isinstance(e, AllBlocksCleared)]
+    assert sorted(stored_hashes(replayed)) == sorted(stored_hashes(live))
 
 
 def test_node_killed_between_instances_still_gives_identical_output(etcd_server, model, prompts, reference,

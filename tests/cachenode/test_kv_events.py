@@ -1,0 +1,166 @@
+"""The nodes' KV events (vLLM's wire format, decoded here with vLLM's own classes): real node
+processes, real etcd, chunks that name their vLLM blocks (``ChunkItem.with_blocks``)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+from kv_event_tap import EventTap, removed_hashes, replay, stored_hashes
+from polling import wait_for
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkBlocks, ChunkItem
+from kvring.common.contract import Contract
+
+BLOCK = 16
+CHUNK_TOKENS = 64  # 4 blocks per chunk
+NAMESPACE = "kvring/v1/events"
+
+
+def _chunk(i: int, nbytes: int = 64 << 10, namespace: str = NAMESPACE, lora: str | None = None) -> ChunkItem:
+    """Chunk ``i`` of one long prompt: its 4 blocks hashed 4i..4i+3 (parent 4i-1), tokens 64i.."""
+    payload = np.full(nbytes // 4, i, dtype=np.float32).reshape(2, -1)
+    item = ChunkItem.of_array(i.to_bytes(16, "big"), payload, tokens=CHUNK_TOKENS, namespace=namespace)
+    hashes = [1000 + 4 * i + b for b in range(4)]
+    blocks = ChunkBlocks.of(hashes, 1000 + 4 * i - 1 if i else None,
+                            list(range(CHUNK_TOKENS * i, CHUNK_TOKENS * (i + 1))), BLOCK, lora_name=lora,
+                            extra_keys=[[lora] if lora else None] * 4)
+    return item.with_blocks(blocks)
+
+
+def _hashes(i: int) -> list[int]:
+    return [1000 + 4 * i + b for b in range(4)]
+
+
+@pytest.fixture
+def one_node(cluster_factory):
+    cluster = cluster_factory(nodes=1, memory=1 << 20, contract=Contract(chunk_size=CHUNK_TOKENS))
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        record = next(iter(client.members.values()))
+        tap = EventTap([record.events_addr])
+        time.sleep(0.3)  # ZMQ: a subscription takes effect a moment after connecting
+        try:
+            yield cluster, client, record, tap
+        finally:
+            tap.close()
+
+
+def test_stores_evictions_deletes_and_flushes_are_announced(one_node):
+    cluster, client, record, tap = one_node
+    assert client.put_many([_chunk(i) for i in range(4)]) == [1] * 4
+    plain = ChunkItem.of_array(b"no-blocks-chunk!", np.zeros((2, 64), dtype=np.float32), tokens=CHUNK_TOKENS)
+    assert client.put_many([plain]) == [1]  # a chunk without blocks is stored, not announced
+    wait_for(lambda: len(stored_hashes(tap.events())) == 16, 10, "4 stores announced")
+    stored = [e for e in tap.events() if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [_hashes(i) for i in range(4)]
+    assert stored[2].parent_block_hash == _hashes(1)[-1] and stored[0].parent_block_hash is None
+    assert stored[3].token_ids == list(range(3 * CHUNK_TOKENS, 4 * CHUNK_TOKENS))
+    assert (stored[0].medium, stored[0].locality, stored[0].ownership) == ("CPU", "REMOTE",
+                                                                             f"kvring/{cluster.cluster}")
+
+    # A duplicate PUT stores nothing new and announces nothing.
+    assert client.put_many([_chunk(0)]) == [1]
+    # 1 MiB of memory holds ~15 chunks of 64 KiB: 30 more evict the oldest ones.
+    assert sum(client.put_many([_chunk(i) for i in range(4, 34)])) == 30
+    wait_for(lambda: len(stored_hashes(tap.events())) == 34 * 4, 10, "34 stores announced")
+    present = client.holders(record.node_id, [_chunk(i).key for i in range(34)])
+    evicted = [i for i in range(34) if not present[i]]
+    assert len(evicted) > 10
+    wait_for(lambda: len(removed_hashes(tap.events())) == 4 * len(evicted), 10, "the evictions announced")
+    assert sorted(removed_hashes(tap.events())) == sorted(h for i in evicted for h in _hashes(i))
+
+    # Deleted: exactly that chunk's blocks go.
+    kept = [i for i in range(34) if present[i]]
+    before = len(removed_hashes(tap.events()))
+    assert client.delete([_chunk(kept[0]).key]) == 1
+    wait_for(lambda: len(removed_hashes(tap.events())) == before + 4, 10, "the delete announced")
+    assert removed_hashes(tap.events())[before:] == _hashes(kept[0])
+
+    # Flushed: every chunk of the namespace goes (the one without blocks stays unannounced).
+    assert client.flush_namespace(NAMESPACE) == len(kept) - 1
+    wait_for(lambda: len(removed_hashes(tap.events())) == before + 4 * len(kept), 10, "the flush announced")
+    assert sorted(removed_hashes(tap.events())) == sorted(h for i in range(34) for h in _hashes(i))
+    assert all(isinstance(e, (BlockStored, BlockRemoved)) for e in tap.events())
+
+    stats = httpx.get(f"{record.admin_addr}/stats", timeout=5).json()["kv_events"]
+    assert stats["published_events"] == 1 + 34 + 34 and stats["dropped_events"] == 0  # + the start's clear
+
+
+def test_a_late_subscriber_gets_the_history_and_a_restarted_node_starts_with_all_blocks_cleared(one_node):
+    cluster, client, record, tap = one_node
+    items = [_chunk(i, lora="adapter-a") for i in range(3)]
+    assert client.put_many(items) == [1] * 3
+    wait_for(lambda: len(stored_hashes(tap.events())) == 12, 10, "3 stores announced")
+
+    history = replay(record.events_replay_addr)  # a subscriber joining now
+    assert [seq for seq, _ in history] == list(range(len(history)))
+    events = [e for _, batch in history for e in batch.events]
+    assert isinstance(events[0], AllBlocksCleared)  # the node started empty
+    assert [e.block_hashes for e in events[1:]] == [_hashes(i) for i in range(3)]
+    assert all(e.lora_name == "adapter-a" and e.extra_keys == [("adapter-a",)] * 4 for e in events[1:])
+    assert replay(record.events_replay_addr, start=len(history) - 1) == history[-1:]  # from a sequence number
+    assert replay(record.events_replay_addr, start=10_000) == []  # nothing that far yet
+
+    # Restarted empty: a new incarnation, its sequence from 0, its history one AllBlocksCleared.
+    cluster.restart_empty(0)
+    new = wait_for(lambda: (r := client.members.get(record.node_id)) and r.incarnation != record.incarnation and r,
+                   30, "the restarted node's record")
+    history = wait_for(lambda: replay(new.events_replay_addr), 10, "the restarted node's history")
+    assert len(history) == 1 and history[0][0] == 0
+    assert [type(e) for e in history[0][1].events] == [AllBlocksCleared]
+
+
+def test_malformed_blocks_are_refused_and_never_announced(one_node):
+    cluster, client, record, tap = one_node
+    good = _chunk(0)
+    blocks = good.meta.blocks
+    bad = {
+        "token ids for other blocks": msgspec.structs.replace(blocks, token_ids=blocks.token_ids[:-4]),
+        "a negative hash": msgspec.structs.replace(blocks, block_hashes=[-1, 1, 2, 3]),
+        "more blocks than tokens": msgspec.structs.replace(blocks, block_size=32),
+        "extra keys not msgpack": msgspec.structs.replace(blocks, extra_keys=b"\xc1\xc1"),
+        "extra keys per block": msgspec.structs.replace(blocks, extra_keys=msgspec.msgpack.encode([None])),
+        "a huge LoRA name": msgspec.structs.replace(blocks, lora_name="x" * 10_000),
+    }
+    for what, blocks in bad.items():
+        item = ChunkItem(good.key, good.payload, msgspec.structs.replace(good.meta, blocks=blocks))
+        assert client.put_to({record.node_id: [item]}) == {record.node_id: [False]}, what
+    assert client.holders(record.node_id, [good.key]) == [False]
+    errors = httpx.get(f"{record.admin_addr}/stats", timeout=5).json()["errors"]
+    assert sum(errors.values()) >= len(bad)
+    assert client.put_many([good]) == [1]  # the node still serves
+    wait_for(lambda: stored_hashes(tap.events()), 10, "the good chunk announced")
+    assert stored_hashes(tap.events()) == _hashes(0)
+
+
+def test_every_copy_is_announced_by_its_node_repaired_copies_included(cluster_factory):
+    """R=2: both owners announce a chunk; an owner restarted empty announces it again once repair
+    has copied it back (a copy keeps the blocks its chunk names)."""
+    cluster = cluster_factory(nodes=3, memory=8 << 20, contract=Contract(chunk_size=CHUNK_TOKENS, replication=2))
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        records = dict(client.members)
+        tap = EventTap([r.events_addr for r in records.values()])
+        time.sleep(0.3)
+        try:
+            items = [_chunk(i) for i in range(6)]
+            assert client.put_many(items) == [2] * 6
+            wait_for(lambda: len(stored_hashes(tap.events())) == 2 * 6 * 4, 10, "two copies of 6 chunks announced")
+            owners = client.owners(items[0].key)
+            index = next(i for i, n in enumerate(cluster.nodes) if n.node_id == owners[0])
+            held = [i for i, item in enumerate(items) if owners[0] in client.owners(item.key)]
+            tap.close()
+
+            cluster.restart_empty(index)
+            new = wait_for(lambda: (r := client.members.get(owners[0])) and
+                           r.incarnation != records[owners[0]].incarnation and r, 30, "the restarted node")
+            expected = sorted(h for i in held for h in _hashes(i))
+            announced = lambda: stored_hashes(e for _, b in replay(new.events_replay_addr) for e in b.events)  # noqa: E731
+            wait_for(lambda: sorted(announced()) == expected, 30,
+                     "the restarted node announcing the copies repair gave it back")
+        finally:
+            tap.close()
