@@ -68,6 +68,8 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
         "--advertise-host", node_host(name, namespace, "$(POD_NAME)"),
         "--data-port", str(spec.data_port),
         "--admin-port", str(spec.admin_port),
+        "--events-port", str(spec.events_port),
+        "--events-replay-port", str(spec.events_replay_port),
         "--chunk-size", str(spec.chunk_size),
         "--vnodes", str(spec.vnodes),
         "--replication", str(spec.replication),
@@ -98,7 +100,9 @@ def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
         "args": node_args(name, namespace, spec),
         "env": copy.deepcopy(ENV),
         "ports": [{"name": "data", "containerPort": spec.data_port, "protocol": "TCP"},
-                  {"name": "admin", "containerPort": spec.admin_port, "protocol": "TCP"}],
+                  {"name": "admin", "containerPort": spec.admin_port, "protocol": "TCP"},
+                  {"name": "events", "containerPort": spec.events_port, "protocol": "TCP"},
+                  {"name": "events-replay", "containerPort": spec.events_replay_port, "protocol": "TCP"}],
         # Ready = registered in etcd and not draining; alive = the process answers.
         "startupProbe": probe("/healthz", 2, 60),
         "readinessProbe": probe("/readyz", 5, 2),
@@ -173,7 +177,10 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
 
 def _ports(spec: ClusterSpec) -> list[dict[str, Any]]:
     return [{"name": "data", "port": spec.data_port, "targetPort": "data", "protocol": "TCP"},
-            {"name": "admin", "port": spec.admin_port, "targetPort": "admin", "protocol": "TCP"}]
+            {"name": "admin", "port": spec.admin_port, "targetPort": "admin", "protocol": "TCP"},
+            {"name": "events", "port": spec.events_port, "targetPort": "events", "protocol": "TCP"},
+            {"name": "events-replay", "port": spec.events_replay_port, "targetPort": "events-replay",
+             "protocol": "TCP"}]
 
 
 def render_headless_service(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:

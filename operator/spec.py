@@ -99,6 +99,8 @@ class ClusterSpec:
     auth_secret: str | None = None
     data_port: int = 5555
     admin_port: int = 8080
+    events_port: int = 5557  # the node's KV events (ZMQ PUB)
+    events_replay_port: int = 5558  # their replay (ZMQ ROUTER)
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, Any], ...] = ()
     affinity: dict[str, Any] | None = None
@@ -152,7 +154,8 @@ class _Reader:
             "tls": self._enum(s, "tls", True, (True, False)),
         }
         values["memory_per_node_raw"], values["memory_per_node"] = self._memory(s)
-        values["data_port"], values["admin_port"] = self._ports(s.get("ports"))
+        (values["data_port"], values["admin_port"], values["events_port"],
+         values["events_replay_port"]) = self._ports(s.get("ports"))
         if 0 < values["replicas"] < values["replication"]:  # 0: scaled to zero, nothing to place
             self.problems.append(f"spec.replication {values['replication']} exceeds spec.replicas "
                                  f"{values['replicas']}: every chunk needs that many distinct nodes; "
@@ -210,18 +213,22 @@ class _Reader:
             self.problems.append(f"spec.memoryPerNode {raw} is below the minimum of 64Mi; set at least 64Mi")
         return raw, value
 
-    def _ports(self, ports: Any) -> tuple[int, int]:
+    def _ports(self, ports: Any) -> tuple[int, int, int, int]:
+        defaults = {"data": 5555, "admin": 8080, "events": 5557, "eventsReplay": 5558}
         if ports is None:
             ports = {}
         if not isinstance(ports, dict):
-            self.problems.append(f"spec.ports must be an object with data and admin, got {ports!r}")
-            return 5555, 8080
-        self._unknown(ports, ("data", "admin"), "spec.ports")
-        data = self._int(ports, "data", 5555, 1, 65535, "spec.ports")
-        admin = self._int(ports, "admin", 8080, 1, 65535, "spec.ports")
-        if data == admin:
-            self.problems.append(f"spec.ports.data and spec.ports.admin are both {data}; give them different ports")
-        return data, admin
+            self.problems.append(f"spec.ports must be an object with {', '.join(defaults)}, got {ports!r}")
+            return tuple(defaults.values())
+        self._unknown(ports, tuple(defaults), "spec.ports")
+        chosen = {name: self._int(ports, name, default, 1, 65535, "spec.ports") for name, default in defaults.items()}
+        seen: dict[int, str] = {}
+        for name, port in chosen.items():
+            if port in seen:
+                self.problems.append(f"spec.ports.{seen[port]} and spec.ports.{name} are both {port}; "
+                                     f"give them different ports")
+            seen.setdefault(port, name)
+        return tuple(chosen.values())
 
     # -- nested objects --------------------------------------------------------------------------
 

@@ -132,6 +132,11 @@ FIELDS = [
                  lambda c: (arg(c, "--admin-port"), port(ctr(c), "admin"), port(c[("Service", "kv")], "admin"),
                             ctr(c)["lifecycle"]["preStop"]["exec"]["command"][-3]),
                  ("9000", 9000, 9000, "http://127.0.0.1:9000"), id="ports.admin"),
+    pytest.param({"ports": {"events": 7000, "eventsReplay": 7001}},
+                 lambda c: (arg(c, "--events-port"), port(ctr(c), "events"), port(c[("Service", "kv-nodes")], "events"),
+                            arg(c, "--events-replay-port"), port(ctr(c), "events-replay"),
+                            port(c[("Service", "kv-nodes")], "events-replay")),
+                 ("7000", 7000, 7000, "7001", 7001, 7001), id="ports.events"),
     pytest.param({"nodeSelector": {"pool": "cache"}}, lambda c: pod(c).get("nodeSelector"), {"pool": "cache"},
                  id="nodeSelector"),
     pytest.param({"tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]},
@@ -298,7 +303,7 @@ def test_services_and_pdb():
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["publishNotReadyAddresses"] is True
     assert headless["spec"]["selector"] == client["spec"]["selector"] == SELECTOR
-    assert [p["name"] for p in client["spec"]["ports"]] == ["data", "admin"]
+    assert [p["name"] for p in client["spec"]["ports"]] == ["data", "admin", "events", "events-replay"]
     assert pdb["apiVersion"] == "policy/v1"
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": SELECTOR}}
     assert selector("kv") == ("app.kubernetes.io/name=kvring,app.kubernetes.io/instance=kv,"

@@ -151,7 +151,8 @@ def test_everything_example_reads_every_field():
     assert unchanged == []
     assert s.etcd == EtcdSpec(managed=True, members=3, storage="4Gi", image="quay.io/coreos/etcd:v3.5.17")
     assert s.resources == {"requests": {"cpu": "2", "ephemeral-storage": "1Gi"}, "limits": {"cpu": 4}}
-    assert (s.data_port, s.admin_port, s.policy, s.lease_ttl) == (7000, 7001, "fifo", 15)
+    assert (s.data_port, s.admin_port, s.events_port, s.events_replay_port) == (7000, 7001, 7002, 7003)
+    assert (s.policy, s.lease_ttl) == ("fifo", 15)
 
 
 def test_external_etcd_example():
