@@ -59,6 +59,10 @@ class NodeView(BaseModel):
     on_ring: bool
     data_addr: str
     admin_addr: str
+    events_addr: str = Field(default="", description="ZMQ PUB endpoint of the node's KV events (vLLM's wire "
+                                                     "format); empty if it publishes none.")
+    events_replay_addr: str = Field(default="", description="ZMQ ROUTER endpoint replaying its recent KV-event "
+                                                            "batches.")
     capacity: int = Field(description="Cache budget in bytes.")
     used: int | None = Field(description="Bytes stored (None if unreachable).")
     chunks: int | None
@@ -67,6 +71,8 @@ class NodeView(BaseModel):
     drain: dict[str, Any] | None = Field(default=None, description="Drain progress, as the node reports it.")
     repair: dict[str, Any] | None = Field(default=None, description="The node's current or last repair pass "
                                           "(copies restored to co-owners, chunks handed off), as it reports it.")
+    kv_events: dict[str, Any] | None = Field(default=None, description="KV events published, dropped and "
+                                             "replayed, as the node reports them.")
     error: str | None = Field(default=None, description="Why the node's stats could not be read.")
 
 

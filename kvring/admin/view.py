@@ -219,6 +219,8 @@ def _node_view(rec: NodeRecord, stats: dict | None, error: str | None = None) ->
         on_ring=rec.on_ring,
         data_addr=rec.data_addr,
         admin_addr=rec.admin_addr,
+        events_addr=rec.events_addr,
+        events_replay_addr=rec.events_replay_addr,
         capacity=rec.capacity,
         used=got.get("used"),
         chunks=got.get("chunks"),
@@ -226,5 +228,6 @@ def _node_view(rec: NodeRecord, stats: dict | None, error: str | None = None) ->
         misses=got.get("misses"),
         drain=got.get("drain"),
         repair=got.get("repair"),
+        kv_events=got.get("kv_events"),
         error=error,
     )

@@ -111,6 +111,8 @@ def test_nodes_capacity_usage_and_hit_counters(api, client):
         assert n["state"] == n["registered_state"] == "active" and n["on_ring"] and n["error"] is None
         assert n["capacity"] == MEMORY and n["data_addr"].startswith("tcp://")
         assert n["admin_addr"].startswith("http://") and n["drain"]["state"] == "active"
+        assert n["events_addr"].startswith("tcp://") and n["events_replay_addr"].startswith("tcp://")
+        assert n["kv_events"]["dropped_events"] == 0  # chunks without vLLM blocks: nothing to publish
     grew = lambda field: sum(n[field] - before[n["node_id"]][field] for n in nodes)  # noqa: E731
     assert grew("chunks") == 30 and grew("used") == 30 * (data.nbytes + ENTRY_OVERHEAD)  # bookkeeping is charged
     assert grew("hits") == 30 and grew("misses") == 5
