@@ -1,4 +1,5 @@
-"""``create_app(settings)``: the cluster admin API (FastAPI; OpenAPI docs at ``/docs``).
+"""``create_app(settings)``: the cluster admin API (FastAPI; OpenAPI docs at ``/docs`` and ``/redoc``,
+served with their scripts and styles from the admin itself: no CDN).
 
 Read endpoints (health, cluster, nodes, key owners, prefix lookup, metrics) are open; the
 mutating ones (drain, flush) need the bearer token (``auth.py``).
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 import kvring
 
@@ -56,7 +58,11 @@ def create_app(settings: AdminSettings) -> FastAPI:
         finally:
             await cluster.close()
 
-    app = FastAPI(title="kvring admin API", version=kvring.__version__, description=DESCRIPTION, lifespan=lifespan)
+    # /docs (Swagger UI) and /redoc load their scripts and styles from the admin itself (the package
+    # fastapi-offline ships them, under /static-offline-docs), never from a CDN: they work where the
+    # admin has no internet.  validatorUrl None: Swagger UI does not send the schema to a validator.
+    app = FastAPIOffline(title="kvring admin API", version=kvring.__version__, description=DESCRIPTION,
+                         lifespan=lifespan, swagger_ui_parameters={"validatorUrl": None})
     app.state.settings = settings
     app.state.metrics = AdminMetrics()
     # add_middleware puts each one outside those added before: the last added runs first.
