@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 
 def test_demo_second_instance_loads_instead_of_recomputing(tmp_path):
+    """... and leaves nothing in TMPDIR: the model, the logs, etcd's data, vLLM's IPC sockets and
+    rendezvous files and torch's inductor cache all lived in the run's directory (kvring.local.rundir)."""
     plot, out_json = tmp_path / "demo.png", tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.cli", "demo", "--layers", "2", "--hidden", "256",
-                           "--prefix-tokens", "768", "--suffix-tokens", "300", "--prompts", "2",
-                           "--plot", str(plot), "--json", str(out_json)],
-                          capture_output=True, text=True, timeout=600)
+    # Short, unlike tmp_path: vLLM's IPC sockets go under it, and a socket path holds at most 107 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="kvring-test-demo-"))
+    try:
+        proc = subprocess.run([sys.executable, "-P", "-m", "kvring.cli", "demo", "--layers", "2", "--hidden", "256",
+                               "--prefix-tokens", "768", "--suffix-tokens", "300", "--prompts", "2",
+                               "--plot", str(plot), "--json", str(out_json)],
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(scratch)})
+        left = list(scratch.iterdir())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "B: loaded from kvring" in proc.stdout and "identical" in proc.stdout
     rows = json.loads(out_json.read_text())["rows"]
@@ -21,3 +33,4 @@ def test_demo_second_instance_loads_instead_of_recomputing(tmp_path):
     assert [r["loaded_by_b"] for r in rows] == [1024, 1024]
     assert all(r["identical"] for r in rows)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert left == []

@@ -51,6 +51,7 @@ from kvring.bench.system import TOKENS, BenchError, Buffer, ChunkSpec, Range, Sy
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
 from kvring.local.cluster import LocalCluster, LocalEtcd
+from kvring.local.rundir import run_directory
 
 __all__ = ["CASES", "BenchError", "ChunkSpec", "DataPlaneSettings", "PlainTcp", "RawZmq", "run_data_plane_bench"]
 
@@ -338,7 +339,7 @@ def run_data_plane_bench(s: DataPlaneSettings, json_out: Path | None = None, plo
     """Measure, print the tables, write ``json_out`` / ``plot_out`` if given; returns the results."""
     console = console or Console(width=None if Console().is_terminal else 160)
     prefix = f"bench-{uuid.uuid4().hex[:8]}"  # never collides with (deduplicated) keys of an earlier run
-    with contextlib.ExitStack() as stack:
+    with run_directory("bench-data-plane"), contextlib.ExitStack() as stack:
         with console.status("starting kvring and its peers"):
             systems, skipped = start_systems(s, stack)
         for key, reason in skipped.items():

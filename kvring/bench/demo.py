@@ -15,7 +15,6 @@ flip some of them after a few tokens; in float32 that rounding stays far below t
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from rich.table import Table
 
 from kvring.bench.report import grouped_bars, write_outputs
 from kvring.local.cluster import LocalCluster
+from kvring.local.rundir import run_directory
 
 
 def workload(prefix_tokens: int, suffix_tokens: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -38,9 +38,10 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
              prompts: int = 3, mode: str = "layerwise", plot: Path | None = None,
              json_out: Path | None = None, dtype: str = "float32") -> dict:
     console = Console(width=None if Console().is_terminal else 160)
-    tmp = Path(tempfile.mkdtemp(prefix="kvring-demo-"))
     items = workload(prefix_tokens, suffix_tokens, prompts)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:
+    # The model, the instances' logs and every file vLLM and torch write: removed however the run ends.
+    with run_directory("demo") as tmp, \
+            Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("writing a random Llama model (no download) ...")
         from kvring.engine.run import run_instance, write_tiny_llama
         model = str(write_tiny_llama(tmp / "model", layers=layers, hidden=hidden, heads=8, kv_heads=4,

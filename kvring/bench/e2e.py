@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +37,7 @@ from rich.table import Table
 from kvring.bench.dataplane import ChunkSpec, PlainTcp, RawZmq
 from kvring.bench.report import grouped_bars, write_outputs
 from kvring.local.cluster import LocalCluster
+from kvring.local.rundir import run_directory
 
 MODES = ("layerwise", "bulk", "async")
 
@@ -81,12 +80,13 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
     from kvring.engine.run import run_instance, write_tiny_llama
 
     console = Console(width=None if Console().is_terminal else 200)  # the table is 12 columns wide
-    tmp = Path(tempfile.mkdtemp(prefix="kvring-bench-e2e-"))
     prompts = _prompts(sizes)
     max_len = max(8192, max(sizes) + 64)
     steps = ["model", "cluster", "store", *MODES, "no connector", "baselines"]
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console) as bar:
+    # The model, the instances' logs and every file vLLM and torch write: removed however the run ends.
+    with run_directory("bench-e2e") as tmp, \
+            Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                     TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("writing a random Llama (no download)", total=len(steps))
         model = str(write_tiny_llama(tmp / "model", layers=layers, hidden=hidden, heads=8, kv_heads=4,
                                      vocab=32000, head_dim=128, intermediate=intermediate))
@@ -137,7 +137,6 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 row["raw_zmq_seconds"] = _baseline_seconds(RawZmq, chunk_bytes, load["load_chunks"], layers)
                 row["plain_tcp_seconds"] = _baseline_seconds(PlainTcp, chunk_bytes, load["load_chunks"], layers)
         bar.advance(task)
-    shutil.rmtree(tmp, ignore_errors=True)  # model and logs (kept if an instance fails: its error names them)
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
                          "kv_heads": 4, "head_dim": 128}, "rows": rows}

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from kvring.bench.report import grouped_bars, write_outputs
 from kvring.local.cluster import LocalCluster
+from kvring.local.rundir import run_directory
 
 _RECEIVED = re.compile(r'^grpc_server_msg_received_total\{[^}]*grpc_method="([^"]+)"[^}]*\} ([0-9.e+]+)$', re.M)
 
@@ -65,7 +66,8 @@ def run_bench_membership(settings: MembershipSettings, json_out: Path | None = N
     baseline: list[Counter] = []
     with_clients: list[Counter] = []
     join_s: list[float] = []
-    with LocalCluster(nodes=s.nodes, memory=64 << 20, lease_ttl=10) as cluster, Progress(console=console) as progress:
+    with run_directory("bench-membership"), LocalCluster(nodes=s.nodes, memory=64 << 20, lease_ttl=10) as cluster, \
+            Progress(console=console) as progress:
         task = progress.add_task(f"{s.nodes} nodes, {s.clients} clients", total=s.repetitions * 2)
         for _ in range(s.repetitions):
             baseline.append(_rate(cluster.etcd, s.window))

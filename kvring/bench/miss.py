@@ -31,9 +31,7 @@ binding instead.  A ``VLLM_CPU_OMP_THREADS_BIND`` already set in the environment
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +43,7 @@ from rich.table import Table
 
 from kvring.bench.report import grouped_bars, write_outputs
 from kvring.local.cluster import LocalCluster
+from kvring.local.rundir import run_directory
 
 ENGINES = ("no connector", "kvring")  # the JSON's and the table's names for the two instances
 COUNTERS = ("scheduler_hook_seconds", "lookups", "lookups_past_deadline", "lookup_errors", "queried_tokens",
@@ -126,46 +125,46 @@ def run_bench_miss(settings: MissSettings = MissSettings(), json_out: Path | Non
     s = settings
     console = Console(width=None if Console().is_terminal else 160)
     env = _thread_binding(s.omp_bind)
-    tmp = Path(tempfile.mkdtemp(prefix="kvring-bench-miss-"))
     instances = []
     started = time.perf_counter()
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task("writing a random Llama (no download)", total=3 + 2 * s.repetitions)
-            model = str(write_tiny_llama(tmp / "model", layers=s.layers, hidden=s.hidden, heads=s.heads,
-                                         kv_heads=s.kv_heads, vocab=s.vocab, head_dim=s.head_dim,
-                                         intermediate=s.intermediate))
-            bar.advance(task)
-            bar.update(task, description="starting etcd and 3 cache nodes")
-            with LocalCluster(nodes=3, memory=s.memory, cluster="bench-miss") as cluster:
+    # The model, the instances' logs and every file vLLM and torch write: removed however the run ends.
+    with run_directory("bench-miss") as tmp:
+        try:
+            with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                          TimeElapsedColumn(), console=console) as bar:
+                task = bar.add_task("writing a random Llama (no download)", total=3 + 2 * s.repetitions)
+                model = str(write_tiny_llama(tmp / "model", layers=s.layers, hidden=s.hidden, heads=s.heads,
+                                             kv_heads=s.kv_heads, vocab=s.vocab, head_dim=s.head_dim,
+                                             intermediate=s.intermediate))
                 bar.advance(task)
-                bar.update(task, description="starting both vLLM instances (and a warm-up batch each)")
-                warmup = _prompts(s, 0, s.warmup_prompts, seed=1)
-                batches = [_prompts(s, s.warmup_prompts + r * s.prompts, s.prompts, seed=100 + r)
-                           for r in range(s.repetitions)]
-                base = {"model": model, "max_tokens": 1, "max_model_len": max(8192, s.tokens + 64)}
-                conn = {"etcd": cluster.etcd, "cluster": cluster.cluster}
-                (tmp / "vllm-tmp").mkdir()
-                for e, name in enumerate(ENGINES):
-                    spec = _spec({**base, "connector": conn if name == "kvring" else None}, tmp, e, warmup, batches)
-                    instances.append(start_instance(tmp, f"engine{e}", spec, tmpdir=tmp / "vllm-tmp", env=env))
-                for e, inst in enumerate(instances):
-                    inst.wait_file(tmp / f"e{e}-ready", STEP_TIMEOUT_S)
-                bar.advance(task)
-                for r in range(s.repetitions):
-                    order = (0, 1) if r % 2 == 0 else (1, 0)
-                    for e in order:
-                        bar.update(task, description=f"repetition {r + 1}/{s.repetitions}: {ENGINES[e]}")
-                        time.sleep(SETTLE_S)
-                        (tmp / f"e{e}-go-{r}").touch()
-                        instances[e].wait_file(tmp / f"e{e}-done-{r}", STEP_TIMEOUT_S)
-                        bar.advance(task)
-                outs = [inst.result(timeout=120) for inst in instances]
-    finally:
-        for inst in instances:
-            inst.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+                bar.update(task, description="starting etcd and 3 cache nodes")
+                with LocalCluster(nodes=3, memory=s.memory, cluster="bench-miss") as cluster:
+                    bar.advance(task)
+                    bar.update(task, description="starting both vLLM instances (and a warm-up batch each)")
+                    warmup = _prompts(s, 0, s.warmup_prompts, seed=1)
+                    batches = [_prompts(s, s.warmup_prompts + r * s.prompts, s.prompts, seed=100 + r)
+                               for r in range(s.repetitions)]
+                    base = {"model": model, "max_tokens": 1, "max_model_len": max(8192, s.tokens + 64)}
+                    conn = {"etcd": cluster.etcd, "cluster": cluster.cluster}
+                    (tmp / "vllm-tmp").mkdir()
+                    for e, name in enumerate(ENGINES):
+                        spec = _spec({**base, "connector": conn if name == "kvring" else None}, tmp, e, warmup, batches)
+                        instances.append(start_instance(tmp, f"engine{e}", spec, tmpdir=tmp / "vllm-tmp", env=env))
+                    for e, inst in enumerate(instances):
+                        inst.wait_file(tmp / f"e{e}-ready", STEP_TIMEOUT_S)
+                    bar.advance(task)
+                    for r in range(s.repetitions):
+                        order = (0, 1) if r % 2 == 0 else (1, 0)
+                        for e in order:
+                            bar.update(task, description=f"repetition {r + 1}/{s.repetitions}: {ENGINES[e]}")
+                            time.sleep(SETTLE_S)
+                            (tmp / f"e{e}-go-{r}").touch()
+                            instances[e].wait_file(tmp / f"e{e}-done-{r}", STEP_TIMEOUT_S)
+                            bar.advance(task)
+                    outs = [inst.result(timeout=120) for inst in instances]
+        finally:
+            for inst in instances:
+                inst.stop()
 
     results = _results(s, outs, time.perf_counter() - started, env.get("VLLM_CPU_OMP_THREADS_BIND"))
     console.print(_table(results))

@@ -32,6 +32,7 @@ from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
 from kvring.common.units import format_size
 from kvring.local.cluster import LocalCluster
+from kvring.local.rundir import run_directory
 
 RESTORE_TIMEOUT_S = 600.0
 
@@ -155,7 +156,7 @@ def run_bench_repair(settings: RepairSettings, json_out: Path | None = None, plo
     console = Console(width=150)
     s = settings
     by_rate: dict[str, list[dict]] = {}
-    with Progress(console=console) as progress:
+    with run_directory("bench-repair"), Progress(console=console) as progress:
         for rate in s.rates:
             by_rate[format_size(rate) + "/s" if rate else "unlimited"] = _one_rate(s, rate, progress)
     results = {"settings": {"nodes": s.nodes, "chunks": s.chunks, "chunk_bytes": s.chunk_bytes,

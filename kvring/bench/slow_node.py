@@ -21,10 +21,8 @@ tokens it loaded, its time to first token and that prompt's recompute time.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import statistics
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from rich.table import Table
 
 from kvring.bench.report import write_outputs
 from kvring.local.cluster import LocalCluster
+from kvring.local.rundir import run_directory
 
 PHASES = ("healthy", "slowed", "recovered")
 STEP_TIMEOUT_S = 1800.0
@@ -122,58 +121,58 @@ def run_bench_slow_node(settings: SlowNodeSettings = SlowNodeSettings(), json_ou
 
     s = settings
     console = Console(width=None if Console().is_terminal else 160)
-    tmp = Path(tempfile.mkdtemp(prefix="kvring-bench-slow-node-"))
     instance, throttle = None, None
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task("writing a random Llama (no download)", total=3 + len(PHASES))
-            model = str(write_tiny_llama(tmp / "model", layers=s.layers, hidden=s.hidden, heads=s.heads,
-                                         kv_heads=s.kv_heads, intermediate=s.intermediate))
-            bar.advance(task)
-            bar.update(task, description="starting etcd and 3 cache nodes")
-            with LocalCluster(nodes=3, memory=s.memory, cluster="bench-slow-node") as cluster:
-                victim = cluster.nodes[0]
-                with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
-                    client.wait_for_nodes(3)
-                    layout = layout_of({"model": model}, client.contract.chunk_size)
-                    prompts = _placed_prompts(layout, client, sum(s.prompts_per_phase), s.tokens,
-                                              victim.node_id, seed=5)
+    # The model, the instances' logs and every file vLLM and torch write: removed however the run ends.
+    with run_directory("bench-slow-node") as tmp:
+        try:
+            with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                          TimeElapsedColumn(), console=console) as bar:
+                task = bar.add_task("writing a random Llama (no download)", total=3 + len(PHASES))
+                model = str(write_tiny_llama(tmp / "model", layers=s.layers, hidden=s.hidden, heads=s.heads,
+                                             kv_heads=s.kv_heads, intermediate=s.intermediate))
                 bar.advance(task)
-                bar.update(task, description="starting vLLM, computing and recomputing every prompt")
-                steps: list[dict] = [{"tokens": list(range(100, 400)), "salt": "warm-up"},
-                                     {"batch": [{"tokens": p} for p in prompts]}]
-                steps += [{"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts)]
-                i = 0
-                for phase, n in zip(PHASES, s.prompts_per_phase):
-                    steps += [{"touch": str(tmp / f"{phase}-ready")},
-                              {"wait_for": str(tmp / f"{phase}-go"), "timeout": STEP_TIMEOUT_S}]
-                    steps += [{"tokens": p} for p in prompts[i:i + n]]
-                    i += n
-                conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": "async"}
-                if s.lookup_deadline_ms is not None:
-                    conn["lookup_deadline_ms"] = s.lookup_deadline_ms
-                spec = {"model": model, "max_tokens": 1, "prompts": steps, "connector": conn}
-                (tmp / "vllm-tmp").mkdir()
-                instance = start_instance(tmp, "engine", spec, tmpdir=tmp / "vllm-tmp")
-                for phase in PHASES:
-                    instance.wait_file(tmp / f"{phase}-ready", STEP_TIMEOUT_S)
-                    if throttle is not None:
-                        throttle.stop()
-                        throttle = None
-                    if phase == "slowed":
-                        throttle = Throttle(victim.pid, s.stop_ms / 1000, s.run_ms / 1000)
+                bar.update(task, description="starting etcd and 3 cache nodes")
+                with LocalCluster(nodes=3, memory=s.memory, cluster="bench-slow-node") as cluster:
+                    victim = cluster.nodes[0]
+                    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+                        client.wait_for_nodes(3)
+                        layout = layout_of({"model": model}, client.contract.chunk_size)
+                        prompts = _placed_prompts(layout, client, sum(s.prompts_per_phase), s.tokens,
+                                                  victim.node_id, seed=5)
                     bar.advance(task)
-                    bar.update(task, description=f"phase {phase!r}")
-                    (tmp / f"{phase}-go").touch()
-                out = instance.result(timeout=STEP_TIMEOUT_S)
-                bar.advance(task)
-    finally:
-        if throttle is not None:
-            throttle.stop()
-        if instance is not None:
-            instance.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+                    bar.update(task, description="starting vLLM, computing and recomputing every prompt")
+                    steps: list[dict] = [{"tokens": list(range(100, 400)), "salt": "warm-up"},
+                                         {"batch": [{"tokens": p} for p in prompts]}]
+                    steps += [{"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts)]
+                    i = 0
+                    for phase, n in zip(PHASES, s.prompts_per_phase):
+                        steps += [{"touch": str(tmp / f"{phase}-ready")},
+                                  {"wait_for": str(tmp / f"{phase}-go"), "timeout": STEP_TIMEOUT_S}]
+                        steps += [{"tokens": p} for p in prompts[i:i + n]]
+                        i += n
+                    conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": "async"}
+                    if s.lookup_deadline_ms is not None:
+                        conn["lookup_deadline_ms"] = s.lookup_deadline_ms
+                    spec = {"model": model, "max_tokens": 1, "prompts": steps, "connector": conn}
+                    (tmp / "vllm-tmp").mkdir()
+                    instance = start_instance(tmp, "engine", spec, tmpdir=tmp / "vllm-tmp")
+                    for phase in PHASES:
+                        instance.wait_file(tmp / f"{phase}-ready", STEP_TIMEOUT_S)
+                        if throttle is not None:
+                            throttle.stop()
+                            throttle = None
+                        if phase == "slowed":
+                            throttle = Throttle(victim.pid, s.stop_ms / 1000, s.run_ms / 1000)
+                        bar.advance(task)
+                        bar.update(task, description=f"phase {phase!r}")
+                        (tmp / f"{phase}-go").touch()
+                    out = instance.result(timeout=STEP_TIMEOUT_S)
+                    bar.advance(task)
+        finally:
+            if throttle is not None:
+                throttle.stop()
+            if instance is not None:
+                instance.stop()
 
     results = _results(s, out)
     console.print(_table(results))

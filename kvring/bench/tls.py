@@ -23,6 +23,7 @@ from kvring.bench.report import grouped_bars, write_outputs
 from kvring.common.chunk import ChunkItem
 from kvring.common.units import format_size
 from kvring.local.cluster import LocalCluster, LocalEtcd
+from kvring.local.rundir import run_directory
 
 SYSTEMS = ("plain", "tls")
 OPS = ("PUT", "GET whole", "GET stream")
@@ -86,11 +87,12 @@ def run_bench_tls(settings: TlsSettings, json_out: Path | None = None, plot: Pat
     s = settings
     gbps: dict[str, dict[str, dict[str, list[float]]]] = {
         format_size(size): {op: {sys: [] for sys in SYSTEMS} for op in OPS} for size in s.sizes}
-    etcd = LocalEtcd().start()
-    try:
-        _measure(etcd.endpoint, s, gbps, console)
-    finally:
-        etcd.close()
+    with run_directory("bench-tls"):
+        etcd = LocalEtcd().start()
+        try:
+            _measure(etcd.endpoint, s, gbps, console)
+        finally:
+            etcd.close()
     results = {"settings": {"sizes": list(s.sizes), "chunks": s.chunks, "layers": s.layers,
                             "repetitions": s.repetitions}, "gbps": gbps}
     table = Table(title=f"1 node over loopback, plain TCP vs mutual TLS 1.3: GB/s, median of {s.repetitions} "

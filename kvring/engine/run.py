@@ -52,18 +52,26 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvring.common.contract import transfer_config
+from kvring.common.errors import KVRingError
 
 if TYPE_CHECKING:
     import torch
 
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ACTIONS = {"signal", "reset_cache", "wait_for", "touch"}  # spec steps that run no prompt
+# vLLM binds its IPC sockets at VLLM_RPC_BASE_PATH/<uuid4>; a Unix socket's path has at most 107 bytes.
+IPC_BASE_MAX = 107 - len("/") - 36
+
+
+class EngineSetupError(KVRingError):
+    """A vLLM instance cannot be started here; the message says why and what to do."""
 
 
 def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
@@ -155,25 +163,25 @@ def _torch_dtype(dtype: str, cfg: dict[str, Any]) -> torch.dtype:
 
 
 def run_instance(tmp: Path, name: str, spec: dict) -> dict:
-    """Run ``spec`` in a vLLM instance of its own (a child process); its OUT as a dict."""
-    import subprocess
+    """Run ``spec`` in a vLLM instance of its own (a child process) to the end; its OUT as a dict.
 
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp / f"{name}.json"),
-                           str(tmp / f"{name}.out")], capture_output=True, text=True)
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM instance {name!r} failed (exit {proc.returncode}; whole log in "
-                           f"{tmp / name}.log):\n{proc.stderr[-4000:]}")
-    return json.loads((tmp / f"{name}.out").read_text())
+    Whatever ends the wait (the instance failing, an exception, Ctrl-C, ``Stopped``), the
+    instance and every process it started are stopped before this returns or raises."""
+    instance = start_instance(tmp, name, spec)
+    try:
+        return instance.result()
+    finally:
+        instance.stop()
 
 
 class Instance:
     """A vLLM instance running a spec in a child process of its own session (``start_instance``).
 
-    Its output (vLLM's log) goes to ``TMP/NAME.log``; with ``tmpdir`` set, the child's (and vLLM's)
-    temporary files (IPC sockets, rendezvous files) go under that directory instead of the system's;
-    ``env`` adds environment variables (e.g. vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
+    Its output (vLLM's log) goes to ``TMP/NAME.log``.  The child's (and vLLM's) temporary files
+    (IPC sockets, rendezvous files, torch's inductor cache) go under ``tmpdir`` if set, else under
+    this process's temporary directory (``tempfile.gettempdir()``: the run's directory inside
+    ``kvring.local.rundir.run_directory``): ``TMPDIR`` and vLLM's ``VLLM_RPC_BASE_PATH`` point
+    there.  ``env`` adds environment variables (e.g. vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
     """
 
     def __init__(self, tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,
@@ -181,8 +189,12 @@ class Instance:
         import subprocess
 
         self.name, self.log, self.out = name, tmp / f"{name}.log", tmp / f"{name}.out"
+        scratch = str(tmpdir) if tmpdir else tempfile.gettempdir()
+        if len(scratch.encode()) > IPC_BASE_MAX:
+            raise EngineSetupError(f"vLLM's IPC sockets cannot live under {scratch} ({len(scratch.encode())} bytes; a "
+                                   f"socket path holds at most 107): point TMPDIR at a shorter directory, e.g. /tmp")
         (tmp / f"{name}.json").write_text(json.dumps(spec))
-        env = {**os.environ, **(env or {}), **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
+        env = {**os.environ, **(env or {}), "TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp / f"{name}.json"),
                                           str(self.out)], stdout=log, stderr=subprocess.STDOUT, env=env,
