@@ -96,7 +96,7 @@ async def load_configuration(kubeconfig: str | None = None) -> k8s_client.Config
         await k8s_config.load_kube_config(config_file=os.path.expanduser(path), client_configuration=configuration)
     except (k8s_config.ConfigException, OSError) as exc:
         raise KubeError(f"no Kubernetes credentials: not in a cluster, and the kubeconfig {path!r} "
-                        f"cannot be used ({exc}); set KUBECONFIG or pass --kubeconfig") from exc
+                        f"cannot be used ({exc}); point KUBECONFIG at a kubeconfig with a current context") from exc
     return configuration
 
 

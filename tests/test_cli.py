@@ -13,17 +13,50 @@ import urllib.request
 
 import psutil
 import pytest
+import typer
+
+import kvring
+from kvring.cli.main import app
 
 KVRING = [sys.executable, "-P", "-m", "kvring.cli"]  # -P: see scripts/setup.sh
 
 
-@pytest.mark.parametrize("args", [[], ["up"], ["node"], ["ring"], ["trace"], ["bench"], ["bench", "data-plane"],
-                                  ["bench", "e2e"], ["bench", "miss"], ["bench", "slow-node"], ["demo"], ["admin"],
-                                  ["drain"], ["operator"]])
-def test_every_command_has_help(args):
-    out = subprocess.run([*KVRING, *args, "--help"], capture_output=True, text=True, timeout=60)
+def _commands(command, path: tuple[str, ...] = ()):
+    """(path, click command) of every command of the CLI, groups included."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+COMMANDS = dict(_commands(typer.main.get_command(app)))
+
+
+def test_the_commands_are_all_there():
+    assert {" ".join(p) for p in COMMANDS} == {
+        "", "node", "up", "demo", "ring", "trace", "drain", "operator", "admin", "bench", "bench data-plane",
+        "bench e2e", "bench miss", "bench slow-node", "bench membership", "bench repair", "bench tls"}
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "kvring")
+def test_every_command_has_help_and_every_option_a_help_text_printed_whole(path):
+    """Every option has a help text, and ``--help`` prints all of it (rich markup once ate
+    "[default: ...]" out of --max-chunk-bytes' text; -v had none)."""
+    out = subprocess.run([*KVRING, *path, "--help"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "100"})
     assert out.returncode == 0, out.stderr
-    assert "Usage" in out.stdout and "--help" in out.stdout
+    assert "Usage: kvring" in out.stdout and "--help" in out.stdout
+    squeezed = re.sub(r"\s+", "", out.stdout)  # the help wraps lines, and breaks words at hyphens
+    options = [p for p in COMMANDS[path].params if p.param_type_name == "option" and not getattr(p, "hidden", False)]
+    for option in options:
+        assert option.help, f"{option.opts} has no help text"
+        assert re.sub(r"\s+", "", option.help) in squeezed, (option.opts, out.stdout)
+        assert option.opts[0] in out.stdout
+
+
+def test_version():
+    out = subprocess.run([*KVRING, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"kvring {kvring.__version__}\n"
 
 
 def test_bad_size_is_a_clear_error():
@@ -67,12 +100,16 @@ def test_up_serves_ring_and_stops_cleanly_on_sigterm():
         proc.stdout.close()
 
 
-def test_up_demo_workload_reads_back_identical():
+def test_up_demo_workload_reads_back_identical_and_leaves_no_file(tmp_path):
+    """`kvring up --demo` runs in a run directory (kvring.local.rundir, as the demo and the benchmarks
+    do): etcd's data and the credentials live there, and nothing is left in TMPDIR after."""
     out = subprocess.run([*KVRING, "up", "--nodes", "2", "--memory", "64MiB", "--demo"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200", "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all chunks read back byte-identical" in out.stdout
     assert "4 chunks" in out.stdout  # the second prompt found the shared system prompt's 4 chunks
+    assert f"{tmp_path}/kvring-up-" in out.stdout  # where the credentials were
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_node_http_endpoints(cluster_factory):
@@ -98,5 +135,5 @@ def test_ring_of_a_cluster_that_does_not_exist_says_so_in_one_line(etcd_server):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        f"error: cluster 'no-such-cluster' has no contract in etcd at {etcd_server.endpoint} after 0s: none of its "
+        f"kvring: error: cluster 'no-such-cluster' has no contract in etcd at {etcd_server.endpoint} after 0s: none of its "
         "nodes has started (start them first, e.g. `kvring up`), or the cluster name is wrong"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvring.bench.trace import IdealLRU, prefix_hits, request_keys, run_trace
+from kvring.bench.tracefile import TraceRequest
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "conversation_trace.jsonl"
 
@@ -21,8 +22,8 @@ def test_ideal_lru_counts_prefix_hits_only():
 
 
 def test_shared_hash_ids_give_shared_key_prefixes():
-    a = request_keys({"hash_ids": [1, 2, 3], "input_length": 1536}, "ns")
-    b = request_keys({"hash_ids": [1, 2, 9], "input_length": 1536}, "ns")
+    a = request_keys(TraceRequest(timestamp=0, hash_ids=[1, 2, 3], input_length=1536), "ns")
+    b = request_keys(TraceRequest(timestamp=0, hash_ids=[1, 2, 9], input_length=1536), "ns")
     assert a[:2] == b[:2] and a[2] != b[2]
 
 

@@ -1,8 +1,8 @@
 """Replay a Mooncake-format request trace against a kvring cluster (``kvring trace``).
 
 Each line of the trace is ``{"timestamp", "input_length", "output_length", "hash_ids"}``,
-where ``hash_ids`` are 512-token prefix blocks.  Every id becomes a deterministic block of
-512 token ids (a vectorised SplitMix64 of ``id * 512 + position``, modulo a 32k vocabulary),
+where ``hash_ids`` are 512-token prefix blocks (``tracefile.py`` reads and checks the file).
+Every id becomes a deterministic block of 512 token ids (a vectorised SplitMix64 of ``id * 512 + position``, modulo a 32k vocabulary),
 and a request's keys are ``chained_hashes`` of its concatenated blocks, so equal id prefixes
 give equal keys — the trace's prefix semantics.  The prompt is cut at ``input_length``
 tokens and, as in a real prefix cache, only *full* blocks are keys: a partial last block is
@@ -21,7 +21,7 @@ per node (primary owners of the looked-up and stored keys), the nodes' own count
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import time
@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvring.bench.report import write_outputs
+from kvring.bench.tracefile import TraceRequest, load_trace
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
@@ -42,6 +43,7 @@ from kvring.common.errors import KVRingError
 from kvring.common.hashing import chained_hashes
 from kvring.common.units import format_size
 from kvring.local.cluster import LocalCluster
+from kvring.local.rundir import run_directory
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +52,6 @@ VOCAB = 32_000
 PREFERRED_LAYERS = 32
 LOAD_MODES = ("first-layer", "all", "none")
 _U = np.uint64
-
-
-def load_trace(path: Path, limit: int | None = None) -> list[dict]:
-    """The trace's requests in timestamp order (stable), the first ``limit`` of them."""
-    with open(path) as f:
-        requests = [json.loads(line) for line in f if line.strip()]
-    requests.sort(key=lambda r: r["timestamp"])
-    return requests[:limit] if limit is not None else requests
 
 
 def block_tokens(hash_ids: Sequence[int]) -> np.ndarray:
@@ -70,9 +64,9 @@ def block_tokens(hash_ids: Sequence[int]) -> np.ndarray:
     return (x % _U(VOCAB)).astype(np.int64).reshape(-1)
 
 
-def request_keys(request: dict, namespace: str) -> list[bytes]:
+def request_keys(request: TraceRequest, namespace: str) -> list[bytes]:
     """Chained keys of the request's full 512-token blocks."""
-    tokens = block_tokens(request["hash_ids"])[:request["input_length"]]
+    tokens = block_tokens(request.hash_ids)[:request.input_length]
     return chained_hashes(namespace, tokens, BLOCK_TOKENS)
 
 
@@ -186,7 +180,7 @@ def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | Non
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     console = Console()
     requests = load_trace(file, limit)
-    local = None if etcd else LocalCluster(nodes=nodes, memory=memory, contract=Contract(chunk_size=BLOCK_TOKENS))
+    local = etcd is None  # start a cluster of its own
     # A fresh local cluster is empty; on a shared one a per-run namespace keeps old blocks from counting as hits.
     namespace = "trace" if local else f"trace-{os.getpid()}-{time.time_ns()}"
     with console.status("hashing the trace's blocks ..."):
@@ -194,11 +188,12 @@ def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | Non
     blocks_requested = sum(map(len, keys_of))
     distinct = len({k for keys in keys_of for k in keys})
 
-    if local is not None:
-        console.print(f"starting etcd and {nodes} nodes of {format_size(memory)} ...")
-        local.start()
-    try:
-        with ClusterClient(etcd or local.etcd, cluster=cluster) as client:
+    with run_directory("trace"), contextlib.ExitStack() as stack:
+        if local:
+            console.print(f"starting etcd and {nodes} nodes of {format_size(memory)} ...")
+            etcd = stack.enter_context(LocalCluster(nodes=nodes, memory=memory,
+                                                    contract=Contract(chunk_size=BLOCK_TOKENS))).etcd
+        with ClusterClient(etcd, cluster=cluster) as client:
             if not client.wait_for_nodes(nodes if local else 1, timeout=15):
                 raise RuntimeError(f"only {len(client.ring)} nodes joined the ring")
             before = client.stats()
@@ -211,9 +206,6 @@ def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | Non
             tally = _replay(client, keys_of, IdealLRU(capacity_blocks), block_bytes, load_hits, console)
             wall = time.perf_counter() - t0
             after = client.stats()
-    finally:
-        if local is not None:
-            local.close()
 
     per_node: dict[str, dict] = {}
     for node_id in sorted(set(before) | set(after) | set(tally.lookup)):  # the ring may change during a run
@@ -231,7 +223,7 @@ def run_trace(file: Path, nodes: int = 3, memory: int = 1 << 30, etcd: str | Non
     pick = np.unique(np.linspace(0, len(requests) - 1, min(len(requests), 400)).astype(int)) if requests else []
     results = {
         "trace": str(file), "requests": len(requests), "blocks_requested": blocks_requested,
-        "partial_blocks_dropped": sum(len(r["hash_ids"]) for r in requests) - blocks_requested,
+        "partial_blocks_dropped": sum(len(r.hash_ids) for r in requests) - blocks_requested,
         "distinct_blocks": distinct, "nodes": len(per_node), "memory_per_node": memory if local else None,
         "block_bytes": block_bytes, "block_shape": block_shape(block_bytes), "capacity_blocks": capacity_blocks,
         "capacity_fraction_of_distinct": capacity_blocks / max(distinct, 1), "load_hits": load_hits,

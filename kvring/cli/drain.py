@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from kvring.common.errors import MembershipError
+from kvring.common.errors import KVRingError, MembershipError
 from kvring.common.records import NodeRecord
 from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd
@@ -35,7 +35,7 @@ REPORT_SECONDS = 5.0
 NOWHERE_GRACE_SECONDS = 10.0
 
 
-class DrainFailed(Exception):
+class DrainFailed(KVRingError):
     """The drain could not be requested, or did not finish in time (the message says why)."""
 
 

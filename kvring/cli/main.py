@@ -4,40 +4,118 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
-import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from typer.models import OptionInfo
 
+import kvring
+from kvring.cli.errors import CommandFailed, run_app
 from kvring.common.contract import transfer_config
 from kvring.common.units import format_size, parse_size
 
+if TYPE_CHECKING:
+    from kvring.local.cluster import LocalCluster
+    from kvring.membership.settings import EtcdSettings
+
+# rich_markup_mode=None: help texts are printed as written (rich markup would eat "[...]"), and
+# errors are reported by kvring.cli.errors in one line, never in a box.
 app = typer.Typer(help="kvring: a distributed KV cache for LLM serving.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False)
+                  pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None)
 bench_app = typer.Typer(help="Benchmarks (each prints a table; --json and --plot write files).",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 
 EtcdOpt = Annotated[str, typer.Option("--etcd", help="etcd endpoints, host:port[,host:port].")]
 ClusterOpt = Annotated[str, typer.Option("--cluster", help="Cluster name (a key prefix in etcd).")]
 TlsDirOpt = Annotated[Path | None, typer.Option(
-    "--tls-dir", envvar="KVRING_TLS_DIR",
+    "--tls-dir", envvar="KVRING_TLS_DIR", exists=True, file_okay=False,
     help="The cluster's credentials (ca.crt, tls.crt, tls.key), for a cluster whose nodes require TLS.")]
+VerboseOpt = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Log at DEBUG level, and print the traceback of an error (for a bug report).")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")]
+PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")]
 
 
-def _size(value: str, flag: str) -> int:
+def _size(value: str, flag: str, *, zero: bool = False) -> int:
+    """The size a person wrote for ``flag``, in bytes; positive unless ``zero`` may be meant."""
     try:
-        return parse_size(value)
+        size = parse_size(value)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint=flag) from None
+    if size < 0 or (size == 0 and not zero):
+        raise typer.BadParameter(f"{value!r}: must be {'0 or more' if zero else 'positive'}, e.g. 4GiB",
+                                 param_hint=flag)
+    return size
+
+
+def _port(help: str) -> OptionInfo:
+    """A TCP port option (0: any free port)."""
+    return typer.Option(help=help, min=0, max=65535)
+
+
+def _free_port(host: str, port: int, flag: str) -> None:
+    """Stop with one line if ``port`` (0: any, always free) cannot be bound on ``host`` (in use, not this
+    machine's address), rather than the server failing later with a traceback."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+            s.bind((host, port))
+    except socket.gaierror:
+        raise CommandFailed(f"cannot serve on {host}:{port}: {host} is not a known host name; check --host") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise CommandFailed(f"cannot serve on {host}:{port}: {host} is not an address of this machine; "
+                                "check --host") from None
+        raise CommandFailed(f"cannot serve on {host}:{port} ({exc.strerror or exc}): choose another {flag}, "
+                            "or stop what is using it") from None
 
 
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _etcd_settings(endpoints: str, cluster: str) -> EtcdSettings:
+    """The ``--etcd`` endpoints a person gave, parsed."""
+    from kvring.membership.settings import EtcdSettings
+
+    try:
+        return EtcdSettings.parse(endpoints, cluster=cluster)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--etcd") from None
+
+
+def _reachable_etcd(endpoints: str, cluster: str) -> EtcdSettings:
+    """The ``--etcd`` a person gave: parsed, and answering (one line and exit 1 otherwise)."""
+    from kvring.membership.reach import check_reachable
+
+    settings = _etcd_settings(endpoints, cluster)
+    check_reachable(settings)
+    return settings
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvring {kvring.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print kvring's version and exit.", is_eager=True,
+                                          callback=_print_version)] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    if verbose:
+        _logging(True)
 
 
 @app.command()
@@ -48,23 +126,24 @@ def node(
     cluster: ClusterOpt = "default",
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     advertise_host: Annotated[str | None, typer.Option(help="Address others reach this node at.")] = None,
-    data_port: Annotated[int, typer.Option(help="TCP port of the data protocol (0: any free port).")] = 0,
-    admin_port: Annotated[int, typer.Option(help="HTTP port for /healthz /readyz /metrics (0: any).")] = 0,
-    max_chunk_bytes: Annotated[str | None, typer.Option(help="Largest chunk accepted [default: 256MiB or --memory if less].")] = None,
+    data_port: Annotated[int, _port("TCP port of the data protocol (0: any free port).")] = 0,
+    admin_port: Annotated[int, _port("HTTP port for /healthz /readyz /metrics (0: any free port).")] = 0,
+    max_chunk_bytes: Annotated[str | None, typer.Option(
+        help="Largest chunk accepted (default: 256MiB, or --memory if less).", show_default=False)] = None,
     policy: Annotated[str, typer.Option(help="Eviction policy: lru or fifo.")] = "lru",
-    lease_ttl: Annotated[int, typer.Option(help="etcd lease TTL in seconds.")] = 10,
+    lease_ttl: Annotated[int, typer.Option(help="etcd lease TTL in seconds.", min=1)] = 10,
     handoff: Annotated[bool, typer.Option(help="Move chunks this node no longer owns to their owners, and "
                                                 "restore copies its co-owners lack.")] = True,
     repair_rate: Annotated[str, typer.Option(help="Bytes per second of copies restored to co-owners "
                                                   "(0: no limit).")] = "64MiB",
     repair_interval: Annotated[float, typer.Option(help="Seconds between repair passes when the ring "
-                                                        "does not change.")] = 60.0,
+                                                        "does not change.", min=0.01)] = 60.0,
     tls_dir: TlsDirOpt = None,
     events: Annotated[bool, typer.Option(help="Publish KV events (vLLM's wire format) of the chunks stored and "
                                               "removed, for KV-aware routers.")] = True,
-    events_port: Annotated[int, typer.Option(help="ZMQ PUB port of the KV events (0: any free port).")] = 0,
-    events_replay_port: Annotated[int, typer.Option(help="ZMQ ROUTER port replaying recent KV-event batches "
-                                                         "(0: any free port).")] = 0,
+    events_port: Annotated[int, _port("ZMQ PUB port of the KV events (0: any free port).")] = 0,
+    events_replay_port: Annotated[int, _port("ZMQ ROUTER port replaying recent KV-event batches "
+                                             "(0: any free port).")] = 0,
     events_topic: Annotated[str, typer.Option(help="Topic frame of every KV-event message.")] = "",
     self_check_interval: Annotated[float, typer.Option(
         help="Seconds between PINGs of its own data port; 3 missed in a row take the node off the ring until "
@@ -73,27 +152,28 @@ def node(
         "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte, "
                                   "POST /debug/stall?seconds=S blocks the data loop.",
         hidden=True)] = False,
-    chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.")] = 256,
-    vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).")] = 1024,
-    replication: Annotated[int, typer.Option(help="Contract: owners per chunk.")] = 1,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.", min=1)] = 256,
+    vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).", min=1)] = 1024,
+    replication: Annotated[int, typer.Option(help="Contract: owners per chunk.", min=1)] = 1,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Run one cache node: the TCP data port, the HTTP admin port, and registration in etcd."""
     from kvring.cachenode.node import NodeConfig, run_node
     from kvring.common.contract import Contract
     from kvring.common.tls import ClusterCredentials
     from kvring.events.publisher import PublisherSettings
-    from kvring.membership.settings import EtcdSettings
 
     _logging(verbose)
+    _free_port(host, data_port, "--data-port")
+    _free_port(host, admin_port, "--admin-port")
     try:
         config = NodeConfig(
             node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
             admin_port=admin_port, advertise_host=advertise_host,
             max_chunk_bytes=(_size(max_chunk_bytes, "--max-chunk-bytes") if max_chunk_bytes
                              else min(256 << 20, _size(memory, "--memory"))), policy=policy,
-            etcd=EtcdSettings.parse(etcd, cluster=cluster), lease_ttl=lease_ttl, handoff=handoff,
-            repair_rate=_size(repair_rate, "--repair-rate"),
+            etcd=_etcd_settings(etcd, cluster), lease_ttl=lease_ttl, handoff=handoff,
+            repair_rate=_size(repair_rate, "--repair-rate", zero=True),
             repair_interval=repair_interval, self_check_interval=self_check_interval,
             tls=ClusterCredentials.at(tls_dir) if tls_dir else None, fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication),
@@ -108,87 +188,113 @@ def node(
 def up(
     nodes: Annotated[int, typer.Option("--nodes", help="Number of cache nodes.", min=1)] = 3,
     memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "1GiB",
-    etcd: Annotated[str | None, typer.Option("--etcd", help="Use this etcd instead of starting one.")] = None,
+    etcd: Annotated[str | None, typer.Option(
+        "--etcd", help="Use this etcd (host:port) instead of starting one; it must answer at once.")] = None,
     cluster: ClusterOpt = "default",
     replication: Annotated[int, typer.Option(help="Owners per chunk.", min=1)] = 1,
     demo: Annotated[bool, typer.Option("--demo", help="Run a short workload, then stop.")] = False,
     admin: Annotated[bool, typer.Option(help="Also serve the admin API on loopback.")] = True,
-    admin_port: Annotated[int, typer.Option(help="Admin API port (0: any free port).")] = 0,
+    admin_port: Annotated[int, _port("Admin API port (0: any free port).")] = 0,
     tls: Annotated[bool, typer.Option(help="Generate cluster credentials and require them on the data ports "
                                            "(--no-tls: plain TCP, e.g. for benchmarks).")] = True,
 ) -> None:
-    """Start a local cluster (etcd + N nodes + the admin API on loopback) until Ctrl-C/SIGTERM."""
+    """Start a local cluster (etcd + N nodes + the admin API on loopback) until Ctrl-C, SIGTERM or SIGHUP;
+    then stop every process it started and remove its temporary files."""
     import os
     import secrets
 
     from kvring.common.contract import Contract
     from kvring.local.cluster import LocalCluster
+    from kvring.local.rundir import run_directory
+    from kvring.local.signals import Stopped
 
+    budget = _size(memory, "--memory")
+    if admin:
+        _free_port("127.0.0.1", admin_port, "--admin-port")
+    if etcd is not None:
+        _reachable_etcd(etcd, cluster)
     contract = Contract(replication=replication)
     # The admin token: KVRING_ADMIN_TOKEN if set, else a fresh one printed below.
     token = os.environ.get("KVRING_ADMIN_TOKEN") or secrets.token_hex(16)
-    cluster_ = LocalCluster(nodes=nodes, memory=_size(memory, "--memory"), etcd=etcd, cluster=cluster,
-                            contract=contract, admin=admin, admin_port=admin_port, admin_token=token, tls=tls)
-    stop = {"now": False}
+    with run_directory("up"):  # etcd's data and the credentials live there; removed however the run ends
+        cluster_ = LocalCluster(nodes=nodes, memory=budget, etcd=etcd, cluster=cluster, contract=contract,
+                                admin=admin, admin_port=admin_port, admin_token=token, tls=tls)
+        try:
+            cluster_.start()  # stops what it started if it fails
+        except FileNotFoundError as exc:  # no etcd binary
+            raise CommandFailed(str(exc)) from None
+        try:
+            _print_cluster(cluster_, token)
+            if demo:
+                from kvring.bench.workload import demo_workload
+                demo_workload(cluster_.etcd, cluster, echo=typer.echo, tls=cluster_.tls)
+                return
+            typer.echo("Press Ctrl-C to stop.")
+            try:
+                _watch_nodes(cluster_)
+            except (Stopped, KeyboardInterrupt):
+                pass  # the way to stop it: exit 0 once everything is stopped
+        finally:
+            _echo_if_possible("stopping ...")
+            cluster_.close()
+            _echo_if_possible("stopped.")
 
-    def on_signal(*_):
-        stop["now"] = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        cluster_.start()
-    except FileNotFoundError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    try:
-        typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
+def _print_cluster(cluster_: LocalCluster, token: str) -> None:
+    """What ``kvring up`` tells about the cluster it started: addresses, the vLLM flag, the admin API."""
+    cluster = cluster_.cluster
+    typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
+    for n in cluster_.nodes:
+        typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
+    tls_extra = {"tls_dir": str(cluster_.tls.directory)} if cluster_.tls is not None else {}
+    transfer = json.dumps(transfer_config(cluster_.etcd, cluster, **tls_extra))
+    typer.echo("Point vLLM at it:")
+    typer.echo(f"  vllm serve MODEL --kv-transfer-config '{transfer}'")
+    env = f"KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster}" + (
+        f" KVRING_TLS_DIR={cluster_.tls.directory}" if cluster_.tls is not None else "")
+    typer.echo(f"  (or {env} with an empty kv_connector_extra_config)")
+    if cluster_.tls is not None:
+        typer.echo(f"The data ports require the cluster's credentials in {cluster_.tls.directory} "
+                   "(--no-tls: plain TCP)")
+    typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
+    if cluster_.admin is not None:
+        typer.echo(f"Admin API: {cluster_.admin.url} (docs {cluster_.admin.url}/docs); drain and flush need "
+                   f"'Authorization: Bearer {token}'")
+
+
+def _watch_nodes(cluster_: LocalCluster) -> None:
+    """Until a signal ends it: warn once about each node that exits."""
+    exited: set[str] = set()
+    while True:
         for n in cluster_.nodes:
-            typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
-        tls_extra = {"tls_dir": str(cluster_.tls.directory)} if cluster_.tls is not None else {}
-        transfer = json.dumps(transfer_config(cluster_.etcd, cluster, **tls_extra))
-        typer.echo("Point vLLM at it:")
-        typer.echo(f"  vllm serve MODEL --kv-transfer-config '{transfer}'")
-        env = f"KVRING_ETCD={cluster_.etcd} KVRING_CLUSTER={cluster}" + (
-            f" KVRING_TLS_DIR={cluster_.tls.directory}" if cluster_.tls is not None else "")
-        typer.echo(f"  (or {env} with an empty kv_connector_extra_config)")
-        if cluster_.tls is not None:
-            typer.echo(f"The data ports require the cluster's credentials in {cluster_.tls.directory} (--no-tls: plain TCP)")
-        typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
-        if cluster_.admin is not None:
-            typer.echo(f"Admin API: {cluster_.admin.url} (docs {cluster_.admin.url}/docs); drain and flush need "
-                       f"'Authorization: Bearer {token}'")
-        if demo:
-            from kvring.bench.workload import demo_workload
-            demo_workload(cluster_.etcd, cluster, echo=typer.echo, tls=cluster_.tls)
-            return
-        typer.echo("Press Ctrl-C to stop.")
-        exited: set[str] = set()
-        while not stop["now"]:
-            for n in cluster_.nodes:
-                if n.node_id not in exited and n.proc.poll() is not None:
-                    exited.add(n.node_id)
-                    typer.echo(f"warning: {n.node_id} exited with code {n.proc.returncode}", err=True)
-            time.sleep(0.2)
-    finally:
-        typer.echo("stopping ...")
-        cluster_.close()
-        typer.echo("stopped.")
+            if n.node_id not in exited and n.proc.poll() is not None:
+                exited.add(n.node_id)
+                typer.echo(f"warning: {n.node_id} exited with code {n.proc.returncode}", err=True)
+        time.sleep(0.2)
+
+
+def _echo_if_possible(text: str) -> None:
+    """After SIGHUP the terminal is gone and writing to it fails; the cleanup must go on regardless."""
+    try:
+        typer.echo(text)
+    except OSError:
+        pass
 
 
 @app.command()
 def demo(
-    layers: Annotated[int, typer.Option(help="Layers of the random Llama written for the demo.")] = 6,
-    hidden: Annotated[int, typer.Option(help="Hidden size of that model.")] = 1024,
-    prefix_tokens: Annotated[int, typer.Option(help="Tokens of the shared prefix.")] = 3072,
-    suffix_tokens: Annotated[int, typer.Option(help="Tokens of each prompt's own part.")] = 1024,
+    layers: Annotated[int, typer.Option(help="Layers of the random Llama written for the demo.", min=1)] = 6,
+    hidden: Annotated[int, typer.Option(help="Hidden size of that model.", min=1)] = 1024,
+    prefix_tokens: Annotated[int, typer.Option(help="Tokens of the shared prefix.", min=1)] = 3072,
+    suffix_tokens: Annotated[int, typer.Option(help="Tokens of each prompt's own part.", min=1)] = 1024,
     prompts: Annotated[int, typer.Option(help="Prompts in the workload.", min=1)] = 3,
     mode: Annotated[str, typer.Option(help="Connector load mode: layerwise or bulk.")] = "layerwise",
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    plot: PlotOpt = None,
+    json_out: JsonOpt = None,
     dtype: Annotated[str, typer.Option(help="Model dtype: float32 (exact comparisons) or bfloat16.")] = "float32",
 ) -> None:
-    """Two vLLM instances share prefixes through a local cluster; B loads what A computed."""
+    """Two vLLM instances share prefixes through a local cluster; B loads what A computed. Its model, logs and
+    processes live in a temporary directory removed at the end (also on Ctrl-C, SIGTERM or SIGHUP)."""
     from kvring.bench.demo import run_demo
 
     if mode not in ("layerwise", "bulk"):
@@ -215,7 +321,11 @@ def ring(
     from kvring.common.tls import ClusterCredentials
 
     console = Console()
-    tls = ClusterCredentials.at(tls_dir) if tls_dir else None
+    _reachable_etcd(etcd, cluster)
+    try:
+        tls = ClusterCredentials.at(tls_dir) if tls_dir else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tls-dir") from None
     with ClusterClient(etcd, cluster=cluster, contract_wait=0, tls=tls) as client:  # inspecting: no contract wait
         r = client.ring
         shares = r.shares()
@@ -252,8 +362,8 @@ def bench_data_plane(
     repetitions: Annotated[int, typer.Option(
         help="Measured repetitions (after a warm-up), every system in each, interleaved.", min=1)] = 20,
     batch: Annotated[int, typer.Option(help="Chunks per request.", min=1)] = 8,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
     quick: Annotated[bool, typer.Option(help="Smoke test: 32-token chunks, 2 repetitions of 2 chunks, 20 lookup "
                                              "samples (ignores --repetitions and --batch).")] = False,
 ) -> None:
@@ -273,11 +383,12 @@ def bench_data_plane(
             **common, repetitions=repetitions, batch=batch)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    if etcd is not None:
+        _reachable_etcd(etcd, cluster)
     try:
         run_data_plane_bench(settings, json_out, plot)
     except BenchError as exc:
-        typer.echo(f"kvring bench data-plane stopped: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise CommandFailed(f"bench data-plane stopped: {exc}") from None
 
 
 @bench_app.command("e2e")
@@ -287,8 +398,8 @@ def bench_e2e(
     hidden: Annotated[int, typer.Option(help="Hidden size of the random Llama (8 heads of 128).", min=128)] = 1024,
     intermediate: Annotated[int, typer.Option(help="MLP width of the random Llama.", min=1)] = 11008,
     memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "2GiB",
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """Time to first token with real vLLM: loaded from a 3-node cluster (layerwise, bulk, async) vs recomputed."""
     from kvring.bench.e2e import run_bench_e2e
@@ -319,8 +430,8 @@ def bench_miss(
                                                "a KV connector is configured.")] = "same",
     quick: Annotated[bool, typer.Option(help="A toy model and 2 batches of 8 x 512 tokens (smoke test); "
                                               "ignores the size options.")] = False,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """At 0 % hits: prompt throughput of one vLLM engine with kvring vs without a connector, and the
     share of the run its scheduler hooks took."""
@@ -341,8 +452,8 @@ def bench_slow_node(
     lookup_deadline_ms: Annotated[float | None, typer.Option(
         help="The connector's lookup_deadline_ms [default: the connector's].", min=0)] = None,
     quick: Annotated[bool, typer.Option(help="A toy model and fewer, shorter prompts (smoke test).")] = False,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """Async loads while one node is slowed: what the connector decided per prompt (loaded, abandoned
     at its deadline, refused by admission) and the time to first token, healthy / slowed / recovered."""
@@ -362,8 +473,8 @@ def bench_membership(
     nodes: Annotated[int, typer.Option(help="Node processes.", min=1)] = 20,
     window: Annotated[float, typer.Option(help="Seconds each idle window lasts.", min=1)] = 20.0,
     repetitions: Annotated[int, typer.Option(help="Windows of each kind (alternating).", min=1)] = 3,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """etcd messages per second per idle client (etcd's own counters, the nodes' share subtracted),
     and how long a node's join takes to reach every client."""
@@ -381,8 +492,8 @@ def bench_repair(
                                              min=1)] = 3,
     repair_rate: Annotated[list[str] | None, typer.Option(
         help="The nodes' --repair-rate; give it again for more runs [default: 64MiB and 0 (no limit)].")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """Time and rate of restoring 2 copies after a node comes back empty, and the reads served meanwhile."""
     from kvring.bench.repair import RepairSettings, run_bench_repair
@@ -395,8 +506,8 @@ def bench_repair(
 @bench_app.command("tls")
 def bench_tls(
     repetitions: Annotated[int, typer.Option(help="Interleaved rounds per size.", min=1)] = 15,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """PUT and GET throughput (3 MiB and 32 MiB chunks) of a node requiring mutual TLS next to a plain one."""
     from kvring.bench.tls import TlsSettings, run_bench_tls
@@ -406,20 +517,24 @@ def bench_tls(
 
 @app.command()
 def trace(
-    file: Annotated[Path, typer.Argument(help="Trace in Mooncake FAST'25 format (JSON lines).", exists=True)],
+    file: Annotated[Path, typer.Argument(help="Trace in Mooncake FAST'25 format (JSON lines).", exists=True,
+                                         dir_okay=False)],
     nodes: Annotated[int, typer.Option(help="Cache nodes.", min=1)] = 3,
     memory: Annotated[str, typer.Option(help="Memory per node.")] = "1GiB",
     etcd: Annotated[str | None, typer.Option("--etcd", help="Use a running cluster (default: start one).")] = None,
-    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.", min=1)] = None,
     block_bytes: Annotated[str, typer.Option(help="Bytes stored per 512-token block.")] = "64KiB",
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")] = None,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
 ) -> None:
     """Replay a request trace against a cluster: hit rate vs an ideal LRU, balance of bytes and load."""
     from kvring.bench.trace import run_trace
 
-    run_trace(file, nodes=nodes, memory=_size(memory, "--memory"), etcd=etcd, limit=limit,
-              block_bytes=_size(block_bytes, "--block-bytes"), json_out=json_out, plot=plot)
+    budget, block = _size(memory, "--memory"), _size(block_bytes, "--block-bytes")
+    if etcd is not None:
+        _reachable_etcd(etcd, "default")
+    run_trace(file, nodes=nodes, memory=budget, etcd=etcd, limit=limit, block_bytes=block, json_out=json_out,
+              plot=plot)
 
 
 @app.command()
@@ -434,25 +549,16 @@ def drain(
     cancel: Annotated[bool, typer.Option("--cancel", help="Withdraw the drain request instead.")] = False,
 ) -> None:
     """Drain a node: it leaves the ring and hands every chunk to its new owners, then reports drained."""
-    from kvring.cli.drain import DrainFailed, drain_via_admin, drain_via_etcd
-    from kvring.membership.settings import EtcdSettings
+    from kvring.cli.drain import drain_via_admin, drain_via_etcd
 
     if (admin_url is None) == (etcd is None):
         raise typer.BadParameter("give either --admin URL (drain the node behind it) or --etcd with --node")
-    try:
-        if admin_url is not None:
-            drain_via_admin(admin_url, wait, cancel, typer.echo)
-        else:
-            if not node_id:
-                raise typer.BadParameter("--etcd needs --node NODE_ID", param_hint="--node")
-            try:
-                settings = EtcdSettings.parse(etcd, cluster=cluster)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--etcd") from None
-            drain_via_etcd(settings, node_id, wait, cancel, typer.echo)
-    except DrainFailed as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    if admin_url is not None:
+        drain_via_admin(admin_url, wait, cancel, typer.echo)
+    else:
+        if not node_id:
+            raise typer.BadParameter("--etcd needs --node NODE_ID", param_hint="--node")
+        drain_via_etcd(_reachable_etcd(etcd, cluster), node_id, wait, cancel, typer.echo)
 
 
 @app.command()
@@ -464,12 +570,19 @@ def operator(
     etcd_timeout: Annotated[float, typer.Option(help="Seconds per etcd request.", min=0.1)] = 2.0,
     liveness: Annotated[str | None, typer.Option(
         help="Serve a liveness probe here, e.g. http://0.0.0.0:8081/healthz.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Run the Kubernetes operator for CacheCluster resources (in a pod: its service account; else $KUBECONFIG)."""
+    import asyncio
+
     from kvring.operator.config import OperatorConfig
+    from kvring.operator.kube import KubeError, load_configuration
     from kvring.operator.main import run
 
+    try:  # no credentials at all: one line now, rather than kopf retrying (with a traceback) every minute
+        asyncio.run(load_configuration())
+    except KubeError as exc:
+        raise CommandFailed(str(exc)) from None
     run(OperatorConfig(namespaces=tuple(namespace or ()), status_interval=status_interval,
                        etcd_timeout=etcd_timeout, liveness_endpoint=liveness), verbose=verbose)
 
@@ -479,23 +592,23 @@ def admin(
     etcd: EtcdOpt,
     cluster: ClusterOpt = "default",
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 inside a pod).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8000,
+    port: Annotated[int, typer.Option(help="Port to serve on.", min=1, max=65535)] = 8000,
     token: Annotated[str | None, typer.Option(
         "--token", envvar="KVRING_ADMIN_TOKEN", show_default=False,
         help="Bearer token for drain and flush (prefer the KVRING_ADMIN_TOKEN variable: a command line is "
              "visible to other users). Without one those endpoints are off.")] = None,
-    node_timeout: Annotated[float, typer.Option(help="Seconds to wait for a node's /stats.")] = 2.0,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    node_timeout: Annotated[float, typer.Option(help="Seconds to wait for a node's /stats.", min=0.01)] = 2.0,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Serve the cluster admin API (FastAPI; OpenAPI docs at /docs)."""
     import uvicorn
 
     from kvring.admin import AdminSettings, create_app
-    from kvring.membership.settings import EtcdSettings
 
     _logging(verbose)
+    _free_port(host, port, "--port")
     try:
-        settings = AdminSettings(etcd=EtcdSettings.parse(etcd, cluster=cluster), token=token or None,
+        settings = AdminSettings(etcd=_etcd_settings(etcd, cluster), token=token or None,
                                  node_timeout=node_timeout)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -505,13 +618,8 @@ def admin(
     uvicorn.run(create_app(settings), host=host, port=port, log_level="debug" if verbose else "warning")
 
 
-def main() -> None:
-    from kvring.common.errors import KVRingError
-
-    try:
-        app()
-    except KVRingError as exc:  # a cluster that cannot be reached or used: one line, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+def main(args: list[str] | None = None) -> int:
+    """``kvring ...``: the exit status; every error is one line on stderr (``kvring.cli.errors``)."""
+    return run_app(app, args)
 
 
