@@ -9,6 +9,8 @@ need=()
 command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || need+=(etcd-server)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck)  # checks the shell scripts (tests/operator)
+# vLLM's CPU backend wants tcmalloc preloaded (its CPU guide; kvring/engine/preload.py).
+ldconfig -p 2>/dev/null | grep -q "libtcmalloc_minimal.so.4" || need+=(libtcmalloc-minimal4)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"

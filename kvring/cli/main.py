@@ -31,7 +31,7 @@ app.add_typer(bench_app, name="bench")
 EtcdOpt = Annotated[str, typer.Option("--etcd", help="etcd endpoints, host:port[,host:port].")]
 ClusterOpt = Annotated[str, typer.Option("--cluster", help="Cluster name (a key prefix in etcd).")]
 TlsDirOpt = Annotated[Path | None, typer.Option(
-    "--tls-dir", envvar="KVRING_TLS_DIR", exists=True, file_okay=False,
+    "--tls-dir", envvar="KVRING_TLS_DIR",
     help="The cluster's credentials (ca.crt, tls.crt, tls.key), for a cluster whose nodes require TLS.")]
 VerboseOpt = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Log at DEBUG level, and print the traceback of an error (for a bug report).")]
@@ -54,6 +54,16 @@ def _size(value: str, flag: str, *, zero: bool = False) -> int:
 def _port(help: str) -> OptionInfo:
     """A TCP port option (0: any free port)."""
     return typer.Option(help=help, min=0, max=65535)
+
+
+def _credentials(tls_dir: Path | None):
+    """The cluster credentials in ``--tls-dir`` (None without it); a one-line usage error if unusable."""
+    from kvring.common.tls import ClusterCredentials, CredentialsError
+
+    try:
+        return ClusterCredentials.at(tls_dir) if tls_dir else None
+    except CredentialsError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tls-dir") from None
 
 
 def _free_port(host: str, port: int, flag: str) -> None:
@@ -160,12 +170,15 @@ def node(
     """Run one cache node: the TCP data port, the HTTP admin port, and registration in etcd."""
     from kvring.cachenode.node import NodeConfig, run_node
     from kvring.common.contract import Contract
-    from kvring.common.tls import ClusterCredentials
     from kvring.events.publisher import PublisherSettings
 
     _logging(verbose)
     _free_port(host, data_port, "--data-port")
     _free_port(host, admin_port, "--admin-port")
+    if events:
+        _free_port(host, events_port, "--events-port")
+        _free_port(host, events_replay_port, "--events-replay-port")
+    tls = _credentials(tls_dir)
     try:
         config = NodeConfig(
             node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
@@ -175,7 +188,7 @@ def node(
             etcd=_etcd_settings(etcd, cluster), lease_ttl=lease_ttl, handoff=handoff,
             repair_rate=_size(repair_rate, "--repair-rate", zero=True),
             repair_interval=repair_interval, self_check_interval=self_check_interval,
-            tls=ClusterCredentials.at(tls_dir) if tls_dir else None, fault_injection=fault_injection,
+            tls=tls, fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication),
             events=PublisherSettings(host=host, port=events_port, replay_port=events_replay_port,
                                      topic=events_topic) if events else None)
@@ -318,14 +331,10 @@ def ring(
     from rich.table import Table
 
     from kvring.cachenode.client import ClusterClient
-    from kvring.common.tls import ClusterCredentials
 
     console = Console()
+    tls = _credentials(tls_dir)
     _reachable_etcd(etcd, cluster)
-    try:
-        tls = ClusterCredentials.at(tls_dir) if tls_dir else None
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--tls-dir") from None
     with ClusterClient(etcd, cluster=cluster, contract_wait=0, tls=tls) as client:  # inspecting: no contract wait
         r = client.ring
         shares = r.shares()

@@ -39,6 +39,9 @@ class ClusterCredentials:
     def at(cls, directory: str | os.PathLike) -> ClusterCredentials:
         """The credentials in ``directory``; ``CredentialsError`` naming what is missing."""
         creds = cls(Path(directory))
+        if not creds.directory.is_dir():
+            raise CredentialsError(f"TLS directory {creds.directory} does not exist (it needs ca.crt, tls.crt and "
+                                   "tls.key; `kvring up` makes them, or mount the cluster's Secret)")
         missing = [name for name in (CA_FILE, CERT_FILE, KEY_FILE) if not (creds.directory / name).is_file()]
         if missing:
             raise CredentialsError(f"TLS directory {creds.directory} lacks {', '.join(missing)} (it needs ca.crt, "

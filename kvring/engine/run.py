@@ -61,6 +61,8 @@ from typing import TYPE_CHECKING, Any
 from kvring.common.contract import transfer_config
 from kvring.common.errors import KVRingError
 
+from .preload import engine_env
+
 if TYPE_CHECKING:
     import torch
 
@@ -194,7 +196,7 @@ class Instance:
             raise EngineSetupError(f"vLLM's IPC sockets cannot live under {scratch} ({len(scratch.encode())} bytes; a "
                                    f"socket path holds at most 107): point TMPDIR at a shorter directory, e.g. /tmp")
         (tmp / f"{name}.json").write_text(json.dumps(spec))
-        env = {**os.environ, **(env or {}), "TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
+        env = {**engine_env({**os.environ, **(env or {})}), "TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp / f"{name}.json"),
                                           str(self.out)], stdout=log, stderr=subprocess.STDOUT, env=env,

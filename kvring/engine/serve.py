@@ -31,6 +31,8 @@ from typing import Any
 
 from kvring.local.cluster import free_port, stop_process_group
 
+from .preload import engine_env
+
 
 class VLLMServerError(RuntimeError):
     """The server failed to start, or answered a request with an error (the message carries its log's tail)."""
@@ -84,7 +86,7 @@ class VLLMServer:
         self.workdir = tempfile.mkdtemp(prefix=f"kvring-vllm-{self.name}-")
         tmp = os.path.join(self.workdir, "tmp")
         os.mkdir(tmp)
-        env = dict(os.environ)
+        env = engine_env()  # vLLM's CPU preloads (preload.py)
         env.update({"TMPDIR": tmp, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "PYTHONUNBUFFERED": "1",
                     "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
         env.update(self.env)
