@@ -22,9 +22,14 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvring.bench.report import grouped_bars, write_outputs
+from kvring.bench.report import grouped_bars, machine, write_outputs
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
+
+
+MAX_TOKENS = 16  # greedy tokens each instance generates per prompt
+COLUMNS = ("prompt", "tokens", "A: cached from kvring", "B: loaded from kvring", "B TTFT", "recompute TTFT",
+           "speed-up", "B = A", "B = recompute")  # the table the demo prints (the README's first screen shows one)
 
 
 def workload(prefix_tokens: int, suffix_tokens: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -49,7 +54,7 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
         bar.update(task, description="starting etcd and 3 cache nodes ...")
         with LocalCluster(nodes=3, memory=2 << 30, cluster="demo") as cluster:
             conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": mode}
-            spec = {"model": model, "connector": conn, "max_tokens": 16, "dtype": dtype,
+            spec = {"model": model, "connector": conn, "max_tokens": MAX_TOKENS, "dtype": dtype,
                     "max_model_len": max(8192, prefix_tokens + suffix_tokens + 64)}
             bar.update(task, description="instance A: computing the workload, saving to kvring ...")
             a = run_instance(tmp, "A", {**spec, "prompts": [{"tokens": p} for p in items]})
@@ -66,18 +71,21 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
                      "identical": ra["tokens"] == rb["tokens"],
                      "same_as_recompute": next((k for k, (x, y) in enumerate(zip(rb["tokens"], rc["tokens"])) if x != y),
                                                len(rb["tokens"]))})
-    table = Table(title=f"kvring demo: {layers}-layer hidden-{hidden} Llama ({dtype}) on CPU, {mode} loads")
-    for col in ("prompt", "tokens", "A: cached from kvring", "B: loaded from kvring", "B TTFT", "recompute TTFT",
-                "speed-up", "B = A", "B = recompute"):
+    title = f"kvring demo: {layers}-layer hidden-{hidden} Llama ({dtype}) on CPU, {mode} loads"
+    table = Table(title=title, caption=f"on {machine()}; B = recompute: how many of B's {MAX_TOKENS} greedy tokens "
+                                       "match a recomputing instance's")
+    for col in COLUMNS:
         table.add_column(col, justify="right")
     for r, ra in zip(rows, a["results"]):
         speed = r["ttft_recompute"] / r["ttft_b"] if r["ttft_b"] else float("nan")
+        same = r["same_as_recompute"]
         table.add_row(str(r["prompt"]), str(r["tokens"]), str(ra["cached"]), str(r["loaded_by_b"]),
                       f"{r['ttft_b']:.2f} s", f"{r['ttft_recompute']:.2f} s", f"{speed:.1f}x",
                       "identical" if r["identical"] else "DIFFER",
-                      f"first {r['same_as_recompute']} tokens")
+                      f"all {MAX_TOKENS} tokens" if same == MAX_TOKENS else f"first {same} of {MAX_TOKENS}")
     console.print(table)
-    results = {"layers": layers, "hidden": hidden, "mode": mode, "dtype": dtype, "rows": rows}
+    results = {"layers": layers, "hidden": hidden, "mode": mode, "dtype": dtype, "title": title,
+               "machine": machine(), "rows": rows}
     write_outputs(console, results, json_out, plot, _plot)
     return results
 
@@ -86,4 +94,5 @@ def _plot(results: dict, path: Path) -> None:
     rows = results["rows"]
     grouped_bars(path, [f"prompt {r['prompt']}\n{r['tokens']} tokens" for r in rows],
                  {"recompute": [r["ttft_recompute"] for r in rows],
-                  "loaded from kvring": [r["ttft_b"] for r in rows]}, "time to first token (s)")
+                  "loaded from kvring": [r["ttft_b"] for r in rows]}, "time to first token (s)",
+                 title=f"{results['title']}\n{results['machine']}")

@@ -45,3 +45,22 @@ def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float]], 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def machine() -> str:
+    """This machine in one line, for a benchmark's report: CPU model, cores, memory."""
+    import os
+
+    model = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = " ".join(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        memory = 0.0
+    return f"{model}, {os.cpu_count()} cores, {memory:.0f} GiB"
