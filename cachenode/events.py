@@ -10,26 +10,33 @@ repair or handoff moves keeps its blocks, so the node that receives it announces
 
 from __future__ import annotations
 
-from kvring.common.chunk import ChunkMeta
+from kvring.common.chunk import ChunkBlocks, ChunkMeta
 from kvring.events.publisher import EventPublisher, PublisherSettings
-from kvring.events.wire import AllBlocksCleared, PoolIdentity
+from kvring.events.wire import AllBlocksCleared, Event, PoolIdentity
 
 
 class NodeEvents:
-    """A ``StoreWatcher`` publishing the store's changes; runs on the store's thread, never blocks."""
+    """A ``StoreWatcher`` publishing the store's changes; on the store's thread it only queues the
+    chunk's blocks (the events are built on the publisher's thread), and never blocks."""
 
     def __init__(self, cluster: str, settings: PublisherSettings) -> None:
         self.identity = PoolIdentity(cluster)
-        self.publisher = EventPublisher(settings)
+        self.publisher = EventPublisher(settings, render=self._render)
         self.publisher.publish(AllBlocksCleared())
 
     def stored(self, key: bytes, meta: ChunkMeta) -> None:
         if meta.blocks is not None:
-            self.publisher.publish(self.identity.stored(meta.blocks))
+            self.publisher.publish((True, meta.blocks))
 
     def removed(self, key: bytes, meta: ChunkMeta) -> None:
         if meta.blocks is not None:
-            self.publisher.publish(self.identity.removed(meta.blocks))
+            self.publisher.publish((False, meta.blocks))
+
+    def _render(self, item: AllBlocksCleared | tuple[bool, ChunkBlocks]) -> Event:
+        if isinstance(item, AllBlocksCleared):
+            return item
+        stored, blocks = item
+        return self.identity.stored(blocks) if stored else self.identity.removed(blocks)
 
     def close(self) -> None:
         self.publisher.close()

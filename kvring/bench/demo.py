@@ -26,7 +26,6 @@ from kvring.bench.report import grouped_bars, machine, write_outputs
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
 
-
 MAX_TOKENS = 16  # greedy tokens each instance generates per prompt
 COLUMNS = ("prompt", "tokens", "A: cached from kvring", "B: loaded from kvring", "B TTFT", "recompute TTFT",
            "speed-up", "B = A", "B = recompute")  # the table the demo prints (the README's first screen shows one)

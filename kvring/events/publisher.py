@@ -9,7 +9,8 @@ Wire (what vLLM's subscribers expect):
   ``"", "", -1 (8 bytes), ""``.  The last ``buffer_batches`` batches are kept.
 
 Threads: ``publish`` may be called from any thread and never blocks: it appends to a bounded
-queue (past ``max_queued`` events the newest are dropped and counted in ``dropped``: a router
+queue (what it is given is turned into events by ``render`` on the publisher's thread, so a
+caller on a busy loop only appends a reference) (past ``max_queued`` events the newest are dropped and counted in ``dropped``: a router
 that misses a store only under-credits the pool, and one that misses a removal is corrected by
 the next ``AllBlocksCleared``).  One thread of its own owns both sockets; it sends what is
 queued as one batch every ``interval`` seconds at most (up to ``max_batch`` events each).
@@ -21,7 +22,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -46,8 +49,12 @@ class PublisherSettings:
 
 
 class EventPublisher:
-    def __init__(self, settings: PublisherSettings) -> None:
+    """``render`` turns each published item into its event on the publisher's thread (default:
+    items are events already)."""
+
+    def __init__(self, settings: PublisherSettings, render: Callable[[Any], Event] | None = None) -> None:
         self.settings = settings
+        self._render = render or (lambda event: event)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(settings.hwm)
@@ -55,7 +62,7 @@ class EventPublisher:
         self.port = self._bind(self._pub, settings.port)
         self.replay_port = self._bind(self._replay, settings.replay_port)
         self._topic = settings.topic.encode()
-        self._queue: deque[Event] = deque()
+        self._queue: deque[Any] = deque()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_batches)
         self._seq = 0
         self._wake = threading.Event()
@@ -77,8 +84,9 @@ class EventPublisher:
             return port
         return sock.bind_to_random_port(f"tcp://{host}")
 
-    def publish(self, *events: Event) -> None:
-        """Queue ``events`` for the next batch (from any thread; never blocks)."""
+    def publish(self, *events: Any) -> None:
+        """Queue ``events`` (or items ``render`` makes events of) for the next batch (from any
+        thread; never blocks)."""
         room = self.settings.max_queued - len(self._queue)
         if room < len(events):
             self.dropped += len(events) - max(room, 0)
@@ -121,7 +129,7 @@ class EventPublisher:
     def _send_batch(self) -> None:
         events = []
         while self._queue and len(events) < self.settings.max_batch:
-            events.append(self._queue.popleft())
+            events.append(self._render(self._queue.popleft()))
         payload = encode_batch(events)
         seq = self._seq
         self._seq += 1
