@@ -6,7 +6,8 @@ Wire (what vLLM's subscribers expect):
 - ROUTER (replay): a subscriber sends the first sequence number it wants (8 bytes big-endian,
   after the empty delimiter frame a REQ or DEALER socket sends); it gets every batch still
   buffered from that number on, each as ``"", topic, seq, batch``, then the end marker
-  ``"", "", -1 (8 bytes), ""``.  The last ``buffer_batches`` batches are kept.
+  ``"", "", -1 (8 bytes), ""``.  The last ``buffer_batches`` batches are kept, at most
+  ``buffer_bytes`` of them (the oldest go first).
 
 Threads: ``publish`` may be called from any thread and never blocks: it appends to a bounded
 queue (what it is given is turned into events by ``render`` on the publisher's thread, so a
@@ -42,6 +43,7 @@ class PublisherSettings:
     replay_port: int = 0  # ROUTER port (0: any free one)
     topic: str = ""
     buffer_batches: int = 10_000
+    buffer_bytes: int = 64 << 20  # what the replay buffer may hold, encoded
     max_queued: int = 100_000
     max_batch: int = 1_000
     interval: float = 0.01
@@ -63,7 +65,8 @@ class EventPublisher:
         self.replay_port = self._bind(self._replay, settings.replay_port)
         self._topic = settings.topic.encode()
         self._queue: deque[Any] = deque()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_batches)
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffered_bytes = 0
         self._seq = 0
         self._wake = threading.Event()
         self._stopping = False
@@ -103,7 +106,8 @@ class EventPublisher:
 
     def stats(self) -> dict[str, int]:
         return {"published_events": self.published_events, "published_batches": self.published_batches,
-                "dropped_events": self.dropped, "replays": self.replays, "last_seq": self._seq - 1}
+                "dropped_events": self.dropped, "replays": self.replays, "last_seq": self._seq - 1,
+                "replay_buffer_batches": len(self._buffer), "replay_buffer_bytes": self._buffered_bytes}
 
     # ---- the publisher's thread -------------------------------------------------------------
 
@@ -135,6 +139,9 @@ class EventPublisher:
         self._seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
+        self._buffered_bytes += len(payload)
+        while len(self._buffer) > self.settings.buffer_batches or self._buffered_bytes > self.settings.buffer_bytes:
+            self._buffered_bytes -= len(self._buffer.popleft()[1])
         self.published_events += len(events)
         self.published_batches += 1
 

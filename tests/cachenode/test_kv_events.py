@@ -164,3 +164,24 @@ def test_every_copy_is_announced_by_its_node_repaired_copies_included(cluster_fa
                      "the restarted node announcing the copies repair gave it back")
         finally:
             tap.close()
+
+
+def test_the_replay_buffer_keeps_the_newest_batches_within_its_bounds():
+    """The publisher alone (no node): a replay serves the newest batches that fit its bounds."""
+    from kvring.events.publisher import EventPublisher, PublisherSettings
+    from kvring.events.wire import PoolIdentity
+
+    identity = PoolIdentity("bounded")
+    publisher = EventPublisher(PublisherSettings(buffer_batches=1000, buffer_bytes=5_000, interval=0))
+    try:
+        for i in range(40):  # one batch each (the publisher sends what is queued at once)
+            publisher.publish(identity.stored(_chunk(i).meta.blocks))
+            wait_for(lambda: publisher.stats()["published_batches"] == i + 1, 5, "the batch sent")
+        stats = publisher.stats()
+        assert stats["replay_buffer_bytes"] <= 5_000 and 0 < stats["replay_buffer_batches"] < 40
+        history = replay(f"tcp://127.0.0.1:{publisher.replay_port}")
+        kept = stats["replay_buffer_batches"]
+        assert [seq for seq, _ in history] == list(range(40 - kept, 40))
+        assert [e.block_hashes for _, b in history for e in b.events] == [_hashes(i) for i in range(40 - kept, 40)]
+    finally:
+        publisher.close()
