@@ -44,10 +44,17 @@ def cpu_preloads() -> list[Path]:
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) with the CPU preloads put first in
-    ``LD_PRELOAD`` (those already there are kept, none twice)."""
+    ``LD_PRELOAD`` (those already there are kept, none twice).
+
+    With ``libiomp`` preloaded, a GNU OpenMP (``libgomp``) already there is dropped: importing
+    vLLM adds torch's ``libgomp`` to its process's ``LD_PRELOAD`` when it finds no Intel OpenMP
+    there, children inherit it, and vLLM's engine refuses to start with both."""
     env = dict(os.environ if base is None else base)
     present = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
-    wanted = [str(p) for p in cpu_preloads() if str(p) not in present]
-    if wanted:
-        env["LD_PRELOAD"] = ":".join(wanted + present)
+    preloads = [str(p) for p in cpu_preloads()]
+    if any("libiomp" in Path(p).name for p in preloads):
+        present = [p for p in present if "libgomp" not in Path(p).name]
+    merged = [p for p in preloads if p not in present] + present
+    if merged:
+        env["LD_PRELOAD"] = ":".join(merged)
     return env

@@ -78,5 +78,5 @@ def test_apply_creates_then_leaves_alone_then_patches_and_refuses_a_foreign_owne
 def test_errors_say_what_failed(tmp_path, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "nothing-here"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    with pytest.raises(KubeError, match="no Kubernetes credentials.*set KUBECONFIG"):
+    with pytest.raises(KubeError, match="no Kubernetes credentials.*point KUBECONFIG at a kubeconfig"):
         asyncio.run(KubeClient.connect())
