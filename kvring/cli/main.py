@@ -237,16 +237,16 @@ def up(
         except FileNotFoundError as exc:  # no etcd binary
             raise CommandFailed(str(exc)) from None
         try:
-            _print_cluster(cluster_, token)
-            if demo:
-                from kvring.bench.workload import demo_workload
-                demo_workload(cluster_.etcd, cluster, echo=typer.echo, tls=cluster_.tls)
-                return
-            typer.echo("Press Ctrl-C to stop.")
             try:
+                _print_cluster(cluster_, token)
+                if demo:
+                    from kvring.bench.workload import demo_workload
+                    demo_workload(cluster_.etcd, cluster, echo=typer.echo, tls=cluster_.tls)
+                    return
+                typer.echo("Press Ctrl-C to stop.")
                 _watch_nodes(cluster_)
             except (Stopped, KeyboardInterrupt):
-                pass  # the way to stop it: exit 0 once everything is stopped
+                pass  # the way to stop a running cluster (even while it is still being printed): exit 0
         finally:
             _echo_if_possible("stopping ...")
             cluster_.close()
