@@ -112,11 +112,9 @@ class EventPublisher:
     # ---- the publisher's thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._replay, zmq.POLLIN)
         try:
             while True:
-                for sock, _ in poller.poll(0):
+                if self._replay.poll(0):
                     self._serve_replay()
                 if self._queue:
                     self._send_batch()

@@ -67,15 +67,10 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(EventBatch)
 
 
 def encode_batch(events: list[Event], ts: float | None = None) -> bytes:
     return _encoder.encode(EventBatch(time.time() if ts is None else ts, events))
-
-
-def decode_batch(payload: bytes) -> EventBatch:
-    return _decoder.decode(payload)
 
 
 @dataclass(frozen=True)
