@@ -12,6 +12,7 @@ every ``BadInputLog.period`` seconds, whatever the rate, with messages cut to a 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from collections import Counter
@@ -85,6 +86,9 @@ class Dispatcher:
         self.max_chunk_bytes = max_chunk_bytes
         self.stats = stats
         self.bad_input = BadInputLog()
+        # Fault injection (POST /debug/signal-on-get): a signal this process sends itself when the
+        # next GET arrives, before answering it.  None: off (always, without --fault-injection).
+        self.signal_on_get: int | None = None
         self._handlers = {
             P.Ping: self._ping, P.Lookup: self._lookup, P.Get: self._get, P.Put: self._put,
             P.Delete: self._delete, P.Stats: self._stats, P.ListKeys: self._keys, P.Flush: self._flush,
@@ -162,6 +166,9 @@ class Dispatcher:
         self._reply(conn, P.LookupReply(rid=req.rid, present=present))
 
     def _get(self, conn, req: P.Get, _) -> None:
+        if self.signal_on_get is not None:
+            sig, self.signal_on_get = self.signal_on_get, None
+            os.kill(os.getpid(), sig)
         self._check_keys(req.keys)
         if len(set(req.keys)) != len(req.keys):
             raise ProtocolError("a GET names a key more than once; ask for each key once",

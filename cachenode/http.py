@@ -12,7 +12,9 @@
 - ``POST /debug/corrupt?key=HEX``: with ``--fault-injection`` only, from loopback only: flip a
   byte of a stored chunk, so tests can show a corrupt chunk is never loaded;
   ``POST /debug/stall?seconds=S`` (same conditions): block the data loop that long, as a hung
-  handler would (the self-check's case).
+  handler would (the self-check's case); ``POST /debug/signal-on-get?signal=SIGSTOP|SIGKILL``
+  (same conditions): the node sends itself that signal when the next GET arrives, before
+  answering it, so a test can hang or kill it in the middle of a load.
 
 Threading contract: ``ThreadingHTTPServer`` answers on threads of its own; everything that
 touches the store runs on the node's I/O thread through ``Server.call``.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -82,6 +85,8 @@ def _handler_class(node: CacheNode):
                     self._json(200, self._corrupt())
                 elif path == "/debug/stall":
                     self._json(202, self._stall())
+                elif path == "/debug/signal-on-get":
+                    self._json(202, self._signal_on_get())
                 elif self._drain_allowed(path):
                     node.drain.request("http")
                     self._json(202, node.drain.status())
@@ -129,6 +134,14 @@ def _handler_class(node: CacheNode):
             threading.Thread(target=lambda: node.server.call(lambda: time.sleep(seconds), timeout=seconds + 5),
                              daemon=True).start()
             return {"stalled_s": seconds}
+
+        def _signal_on_get(self) -> dict:
+            """Arm the data loop to send this process ``signal`` when the next GET arrives."""
+            name = self._fault_injection().get("signal", "")
+            if name not in ("SIGSTOP", "SIGKILL"):
+                raise _BadRequest(400, "give ?signal=SIGSTOP or ?signal=SIGKILL")
+            node.server.call(lambda: setattr(node.dispatcher, "signal_on_get", getattr(signal, name)))
+            return {"armed": name}
 
         def _corrupt(self) -> dict:
             """Flip one byte of a stored chunk's first layer, leaving its checksums as they were."""

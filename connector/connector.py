@@ -22,7 +22,8 @@ from kvring.common.hashing import FORMAT_VERSION, HASH_ALGORITHM
 from kvring.common.tls import ClusterCredentials
 
 from .config import ConnectorConfig
-from .instance import check_kv_groups, layout_from_vllm
+from .instance import (check_kv_groups, check_parallel, chunk_parts, layout_from_vllm, rank_shard,
+                       worker_bytes_per_token)
 from .metadata import KVRingMetadata
 from .scheduler import SchedulerSide
 from .stats import KVRingPromMetrics, KVRingStats
@@ -73,17 +74,19 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_sources(self._kv_transfer_config.kv_connector_extra_config)
         if kv_cache_config is not None:
             check_kv_groups(kv_cache_config)
+        check_parallel(vllm_config)
         _recompute_on_load_failure(self._kv_transfer_config)
         self.client = connect(self.config)
         chunk = self.client.contract.chunk_size
         block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
             layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version)
-            self._scheduler = SchedulerSide(self.config, layout, self.client, block_size, layout.bytes_per_token)
+            self._scheduler = SchedulerSide(self.config, layout, self.client, block_size,
+                                            worker_bytes_per_token(vllm_config, layout), chunk_parts(vllm_config, layout))
             self._worker = None
         else:
             self._scheduler = None
-            self._worker = WorkerSide(self.config, self.client, chunk, block_size)
+            self._worker = WorkerSide(self.config, self.client, chunk, block_size, rank_shard(vllm_config))
             self.client.reserve_buffers(self.config.receive_buffer_mb << 20)
         logger.info("KVRingConnector (%s) on cluster %r, chunk %d tokens, %s loads", role.name, self.config.cluster,
                     chunk, self.config.load_mode)

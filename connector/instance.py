@@ -1,8 +1,9 @@
 """What the connector takes from one vLLM instance's configuration.
 
-Its key layout (``KVLayout``: model, config and revision fingerprint, KV dtype and shape,
-tensor-parallel layout), and whether its KV cache is one the connector can serve without
-risking wrong KV.
+Its key layout (``KVLayout``: model, config and revision fingerprint, KV dtype and shape), the
+parts a chunk is stored as and the heads and layers one worker of it holds (``parts.py``), and
+whether its KV cache and parallel layout are ones the connector can serve without risking
+wrong KV.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import hashlib
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from .keys import KVLayout
+from .parts import ChunkParts, RankShard, stage_layers
 
 
-def layout_from_vllm(vllm_config, chunk_size: int, tp_rank: int = 0, weights_version: str = "") -> KVLayout:
-    """The KV-compatibility namespace of this vLLM instance."""
+def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "") -> KVLayout:
+    """The KV-compatibility namespace of this vLLM instance (the same for every TP size)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     hf = getattr(model, "hf_config", None)
@@ -26,9 +28,30 @@ def layout_from_vllm(vllm_config, chunk_size: int, tp_rank: int = 0, weights_ver
         kv_dtype = str(model.dtype).removeprefix("torch.")
     return KVLayout(
         model=str(model.model), config_fingerprint=fingerprint, kv_dtype=str(kv_dtype),
-        num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
+        num_layers=model.get_total_num_hidden_layers(), num_kv_heads=_total_kv_heads(model),
         head_size=model.get_head_size(), block_layout="BHNC", chunk_size=chunk_size,
-        tp_size=parallel.tensor_parallel_size, tp_rank=tp_rank, weights_version=weights_version)
+        weights_version=weights_version)
+
+
+def _total_kv_heads(model) -> int:
+    """The model's KV heads as its workers' caches hold them (an MLA latent is one, on every rank)."""
+    return 1 if model.use_mla else model.get_total_num_kv_heads()
+
+
+def chunk_parts(vllm_config, layout: KVLayout) -> ChunkParts:
+    """Every part of a chunk this instance loads: each KV head of each of its pipeline stages."""
+    return layout.parts(stage_layers(layout.num_layers, vllm_config.parallel_config.pipeline_parallel_size))
+
+
+def rank_shard(vllm_config) -> RankShard:
+    """The heads and layers this worker process holds (call it in a worker, after vLLM set up
+    its tensor- and pipeline-parallel groups)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    stages = stage_layers(model.get_total_num_hidden_layers(), parallel.pipeline_parallel_size)
+    return RankShard.of_rank(_total_kv_heads(model), parallel.tensor_parallel_size,
+                             get_tensor_model_parallel_rank(), stages[get_pp_group().rank_in_group])
 
 
 def check_kv_groups(kv_cache_config) -> None:
@@ -55,3 +78,29 @@ def check_kv_groups(kv_cache_config) -> None:
     if problems:
         raise ValueError("KVRingConnector cannot serve this model without risking wrong KV: " + "; ".join(problems)
                          + ". Serve it without --kv-transfer-config (vLLM's hybrid KV manager stays on).")
+
+
+def worker_bytes_per_token(vllm_config, layout: KVLayout) -> int:
+    """KV bytes per token the busiest worker loads: its heads of its stage's layers (the workers
+    load in parallel, so this, not the whole token's, is what a load's time follows)."""
+    parallel = vllm_config.parallel_config
+    heads = len(RankShard.of_rank(layout.num_kv_heads, parallel.tensor_parallel_size, 0, (0, 0)).heads)
+    layers = max(end - first for first, end in chunk_parts(vllm_config, layout).stages)
+    return layout.bytes_per_token * heads * layers // (layout.num_kv_heads * layout.num_layers)
+
+
+def check_parallel(vllm_config) -> None:
+    """Refuse a parallel layout whose KV the connector cannot store and load right (``ValueError``
+    saying why and what to change): context parallelism splits a request's tokens, not its heads
+    or layers, over ranks, and kvring stores whole chunks of tokens per part."""
+    parallel = vllm_config.parallel_config
+    problems = [f"{name.replace('_', ' ')} {getattr(parallel, name)}"
+                for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
+                if getattr(parallel, name, 1) > 1]
+    if problems:
+        raise ValueError("KVRingConnector cannot serve " + " and ".join(problems) + ": context parallelism "
+                         "spreads a chunk's tokens over ranks and kvring stores a chunk's tokens together. Serve "
+                         "it with --decode-context-parallel-size 1 --prefill-context-parallel-size 1 (tensor and "
+                         "pipeline parallelism are served).")
+    layout_heads = _total_kv_heads(vllm_config.model_config)
+    RankShard.of_rank(layout_heads, parallel.tensor_parallel_size, 0, (0, 0))  # raises for a split vLLM would not make

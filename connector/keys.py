@@ -4,7 +4,9 @@ A chunk's key is a chained hash (``kvring.common.hashing.chained_hashes``) whose
 *namespace*, folds in:
 
 - the instance's ``KVLayout``: model name, config fingerprint, ``weights_version``, KV dtype,
-  layers, KV heads, head size, block layout, chunk size, tensor-parallel layout;
+  layers, KV heads, head size, block layout, chunk size -- all of the model, none of how it is
+  split over workers (tensor- and pipeline-parallel ranks store a chunk as parts, one per KV
+  head and stage: ``parts.py``), so instances of every TP size compute the same keys;
 - the request's ``KeyScope``: its ``cache_salt`` (tenant isolation), its LoRA adapter's
   identity (the digest of the adapter's files, or a name + version the user controls — never
   vLLM's per-process integer id) and the instance's weights epoch (advanced by
@@ -27,6 +29,8 @@ import numpy as np
 
 from kvring.common.hashing import ChunkHash, chained_hashes
 
+from .parts import ChunkParts
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # others (fp8 variants): 1
 
 
@@ -37,19 +41,22 @@ class KVLayout:
     model: str
     config_fingerprint: str  # hash of the model's config and revision
     kv_dtype: str
-    num_layers: int
-    num_kv_heads: int
+    num_layers: int  # the model's, whatever its pipeline stages
+    num_kv_heads: int  # the model's, whatever its tensor-parallel size
     head_size: int
     block_layout: str  # e.g. "NHD", "HND", or the standardized "BHNC" view
     chunk_size: int
-    tp_size: int = 1
-    tp_rank: int = 0
     weights_version: str = ""  # the user's name for the weights (checkpoint step, revision)
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token across all layers (K and V)."""
+        """KV bytes of one token across all layers and KV heads (K and V)."""
         return self.num_layers * self.num_kv_heads * self.head_size * 2 * _DTYPE_BYTES.get(self.kv_dtype, 1)
+
+    def parts(self, stages: tuple[tuple[int, int], ...] | None = None) -> ChunkParts:
+        """The parts of a chunk stored by instances whose pipeline stages hold ``stages`` (the
+        layer range of each; ``None``: one stage with every layer)."""
+        return ChunkParts(self.num_kv_heads, stages or ((0, self.num_layers),))
 
     def namespace(self, scope: KeyScope | None = None) -> str:
         """The chain's root string for requests of ``scope``."""

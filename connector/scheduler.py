@@ -28,6 +28,7 @@ from .block_events import chunk_blocks
 from .config import ConnectorConfig
 from .keys import KVLayout
 from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
+from .parts import ChunkParts
 from .request_inputs import RequestInputs, read_request
 from .stats import Counters
 
@@ -82,9 +83,11 @@ class _LateLookups:
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, layout: KVLayout, client: ClusterClient, block_size: int,
-                 bytes_per_token: int) -> None:
+                 bytes_per_token: int, parts: ChunkParts | None = None) -> None:
         self.config = config
         self.layout = layout
+        # What a chunk's load needs: every KV head of every pipeline stage (None: one stage).
+        self.parts = parts or layout.parts()
         self.client = client
         self.block_size = block_size
         self.chunk = layout.chunk_size
@@ -124,7 +127,8 @@ class SchedulerSide:
         if not keys:
             return Lookup(inputs, keys, now, hit_chunks=0)
         self.counters.add(lookups=1)
-        return Lookup(inputs, keys, now, self.client.lookup_async(keys, lease_ms=self.config.lookup_lease_ms))
+        return Lookup(inputs, keys, now, self.client.lookup_async(self.parts.keys(keys),
+                                                                  lease_ms=self.config.lookup_lease_ms))
 
     def _answer(self, req_id: str, lookup: Lookup) -> int | None:
         """Leading chunks present, or ``None`` while the lookup is in flight (within its deadline)."""
@@ -138,7 +142,7 @@ class SchedulerSide:
             self._wait_left -= time.monotonic() - t0
         if fut.done():
             try:
-                present = fut.result()
+                present = self.parts.present(fut.result())  # a chunk is there when all its parts are
             except Exception as exc:  # the cluster could not answer: a miss, never an error in vLLM
                 logger.warning("kvring lookup for request %s failed, recomputing: %s", req_id, exc)
                 self.counters.add(lookup_errors=1)

@@ -27,10 +27,10 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "Bytes of KV loaded into vLLM's cache",
     "load_seconds": "Seconds spent loading (fetch, verify, copy into the paged cache)",
     "loads_abandoned": "Asynchronous loads abandoned past their deadline (their blocks recompute)",
-    "saved_chunks": "Chunks saved to the kvring cluster",
+    "saved_parts": "Chunk parts saved to the kvring cluster (one per KV head and pipeline stage a worker stores)",
     "saved_bytes": "Bytes of KV saved to the kvring cluster",
     "save_seconds": "Seconds spent saving (copy out, send, until every replica answered)",
-    "failed_saves": "Chunks whose save failed (dropped; a later request recomputes them)",
+    "failed_saves": "Chunk parts whose save failed (dropped; a later request recomputes their chunks)",
     "scheduler_hook_seconds": "Seconds the connector's hooks held vLLM's scheduler loop",
 }
 FAILED_BLOCKS = "failed_blocks"  # {reason: count}: blocks vLLM recomputes because a load failed

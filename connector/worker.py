@@ -1,10 +1,12 @@
 """Worker side: layerwise loads into and saves out of vLLM's paged KV cache.
 
 vLLM hands connectors one tensor per attention layer in the standardized ``[B, H, N, C]``
-view (blocks, KV heads, block size, K|V channels); slot ``s`` lives at
-``[s // block_size, :, s % block_size]``.  A kvring chunk of ``chunk_size`` tokens is stored
-layer-major as ``[layers, chunk_size, H, C]``, so one layer of one chunk is a contiguous
-``[chunk_size, H, C]`` slice.
+view (blocks, this worker's KV heads, block size, K|V channels); slot ``s`` lives at
+``[s // block_size, :, s % block_size]``.  A kvring chunk of ``chunk_size`` tokens is stored as
+parts (``parts.py``), one per KV head and pipeline stage, each layer-major
+``[layers, chunk_size, 1, C]``: one layer of one part is a contiguous ``[chunk_size, 1, C]``
+slice, and each of this worker's heads (its ``RankShard``) is copied from and to its own parts,
+through a view of the cache at that head.
 
 The copies themselves (host staging, scatter, gather; pinned buffers and a side stream on
 CUDA) are in ``copies.py``.
@@ -37,6 +39,7 @@ from kvring.common.chunk import ChunkItem
 from .config import ConnectorConfig
 from .copies import buffer_runs, copies_for, slot_runs
 from .metadata import KVRingMetadata, ReqMeta, SaveSpec
+from .parts import RankShard
 from .stats import Counters
 
 logger = logging.getLogger(__name__)
@@ -61,14 +64,20 @@ class _LoadJob:
         self.first_layer_s: float | None = None  # until layer 0 of every chunk was in the cache
         self.seconds = 0.0  # until the last layer was
         self.nbytes = 0
-        # One flat key list over all requests; owner[i] = (request, chunk index in its load).
+        # One flat list of part keys over all requests: each chunk's parts of this worker's
+        # heads in turn; owner[i] = (request, chunk index in its load, head index in the cache).
+        heads = range(len(worker.shard.heads))
+        parts = [worker.shard.part(j) for j in heads]
         self.keys: list[bytes] = []
-        self.owner: list[tuple[ReqMeta, int]] = []
-        self._runs: dict[int, list] = {}  # chunk -> its slot runs (the same for every layer)
+        self.owner: list[tuple[ReqMeta, int, int]] = []
+        self.chunks = 0
+        self._runs: dict[tuple[int, int], list] = {}  # (request, chunk) -> slot runs (the same for every layer)
         for req in requests:
             for k, key in enumerate(req.load.keys):
-                self.keys.append(key)
-                self.owner.append((req, k))
+                self.chunks += 1
+                for j in heads:
+                    self.keys.append(parts[j].key(key))
+                    self.owner.append((req, k, j))
 
     def run(self) -> None:
         w = self.worker
@@ -91,7 +100,8 @@ class _LoadJob:
                         self.nbytes += len(view)
                     except (ValueError, RuntimeError) as exc:  # a chunk of the wrong shape: recompute it
                         unusable.add(i)
-                        logger.warning("kvring chunk %d of this step is unusable (%s); recomputing it", i, exc)
+                        logger.warning("kvring chunk part %d of this step is unusable (%s); recomputing its "
+                                       "chunk", i, exc)
                 if got[layer].all():
                     if layer == 0:
                         self.first_layer_s = time.perf_counter() - self.started
@@ -127,7 +137,7 @@ class _LoadJob:
                                      load_seconds=time.perf_counter() - self.started)
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
-        req, k = self.owner[i]
+        req, k, _ = self.owner[i]
         chunk = self.worker.chunk
         first = req.load.start + k * chunk
         lo, hi = max(first, req.load.write_from), min(first + chunk, req.load.end)
@@ -138,11 +148,12 @@ class _LoadJob:
         req, first, lo, hi = self._tokens(i)
         if hi <= lo:
             return
-        runs = self._runs.get(i)
+        req_k = (id(req), self.owner[i][1])
+        runs = self._runs.get(req_k)
         if runs is None:
-            runs = self._runs[i] = slot_runs(req.slot_mapping[lo:hi], w.block_size)
-        # Straight from the (read-only) socket frame into the paged cache.
-        w.copies.load(w.kv_caches[w.layer_names[layer]], runs, view, lo - first)
+            runs = self._runs[req_k] = slot_runs(req.slot_mapping[lo:hi], w.block_size)
+        # Straight from the (read-only) socket frame into the paged cache, at the part's head.
+        w.copies.load(w.head_views[layer][self.owner[i][2]], runs, view, lo - first)
 
     def _fail(self, i: int) -> int:
         """Fail the blocks chunk ``i`` was to write; how many new failed blocks."""
@@ -158,26 +169,33 @@ class _LoadJob:
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, client: ClusterClient, chunk_size: int, block_size: int) -> None:
+    """One worker's loads and saves.  ``shard``: the KV heads and layers this worker holds
+    (``instance.rank_shard``); ``None``: an instance without tensor or pipeline parallelism
+    (every head and layer of the caches it registers)."""
+
+    def __init__(self, config: ConnectorConfig, client: ClusterClient, chunk_size: int, block_size: int,
+                 shard: RankShard | None = None) -> None:
         self.config = config
         self.client = client
         self.chunk = chunk_size
         self.block_size = block_size
+        self.shard = shard
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self.head_views: list[list[torch.Tensor]] = []  # [layer][head in the cache]: [B, 1, N, C] views
         self.layer_names: list[str] = []
         self._layer_index: dict[str, int] = {}
         self._load: _LoadJob | None = None
         self._load_thread: threading.Thread | None = None
         self._failed: set[int] = set()
-        # req -> (one layer-major buffer per chunk, the save's slot runs into them)
-        self._saves: dict[str, tuple[list[torch.Tensor], list]] = {}
+        # req -> (per saved head, one layer-major buffer per chunk; the save's slot runs into them)
+        self._saves: dict[str, tuple[list[list[torch.Tensor]], list]] = {}
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvring-save")
         # async mode: one job per request, a few at a time; req -> its job until get_finished
         self._async_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvring-async-load")
         self._async_jobs: dict[str, _LoadJob] = {}
         self.counters = Counters()
-        self.saves_failed = 0
-        self.chunks_saved = 0
+        self.saves_failed = 0  # chunk parts
+        self.parts_saved = 0
         self.loads: list[dict] = []  # per-step load statistics (also appended to config.stats_path)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -188,9 +206,17 @@ class WorkerSide:
         self.copies = copies_for(first, self.block_size)
         self.dtype = first.dtype
         self.dtype_name = _TORCH_DTYPES.get(first.dtype, str(first.dtype).removeprefix("torch."))
-        self.token_shape = tuple(first.shape[1:2]) + tuple(first.shape[3:])  # (H, C)
+        self.token_shape = (1, *first.shape[3:])  # one part's token: (1 head, C)
         if first.shape[2] != self.block_size:
             logger.warning("KV cache block dim %d differs from block_size %d", first.shape[2], self.block_size)
+        if self.shard is None:
+            self.shard = RankShard.whole(first.shape[1], len(self.layer_names))
+        shard = self.shard
+        if first.shape[1] != len(shard.heads) or len(self.layer_names) != shard.end_layer - shard.first_layer:
+            raise ValueError(f"KVRingConnector: this worker's KV cache holds {first.shape[1]} KV heads of "
+                             f"{len(self.layer_names)} layers, but its tensor/pipeline-parallel rank should hold "
+                             f"{len(shard.heads)} heads of layers [{shard.first_layer}, {shard.end_layer})")
+        self.head_views = [[kv[:, j:j + 1] for j in range(len(shard.heads))] for kv in kv_caches.values()]
 
     # ---- loads ----------------------------------------------------------------------------
 
@@ -276,7 +302,7 @@ class WorkerSide:
     def record_load(self, job: _LoadJob) -> None:
         if not job.abandoned:  # an abandoned load was counted when it was abandoned
             self.counters.add(loads=1, loaded_bytes=job.nbytes, load_seconds=job.seconds)
-        entry = {"mode": self.config.load_mode, "chunks": len(job.keys), "bytes": job.nbytes,
+        entry = {"mode": self.config.load_mode, "chunks": job.chunks, "parts": len(job.keys), "bytes": job.nbytes,
                  "seconds": job.seconds, "first_layer_seconds": job.first_layer_s,
                  "failed_blocks": len(job.failed_blocks)}
         self.loads.append(entry)
@@ -298,38 +324,45 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: KVRingMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         layer = self._layer_index[layer_name]
+        heads = self.shard.saved_heads
+        if not heads:  # every head here is a replica another rank stores
+            return
         for req in meta.requests:
             if req.save is None:
                 continue
             save = req.save
-            if req.req_id not in self._saves:  # one layer-major buffer per chunk; only the last may be partial
+            if req.req_id not in self._saves:  # per head, one buffer per chunk; only the last may be partial
                 rows = [min(self.chunk, save.end - save.start - i * self.chunk) for i in range(len(save.keys))]
-                bufs = [self.copies.new_save_buffer((len(self.layer_names), n, *self.token_shape), self.dtype)
-                        for n in rows]
+                bufs = [[self.copies.new_save_buffer((len(self.layer_names), n, *self.token_shape), self.dtype)
+                         for n in rows] for _ in heads]
                 runs = buffer_runs(req.slot_mapping[save.start:save.end], self.block_size, rows)
                 self._saves[req.req_id] = (bufs, runs)
             bufs, runs = self._saves[req.req_id]
-            self.copies.gather_into(kv_layer, runs, bufs, layer)
+            for j, head_bufs in zip(heads, bufs):
+                self.copies.gather_into(self.head_views[layer][j], runs, head_bufs, layer)
             if layer == len(self.layer_names) - 1:
                 self._saver.submit(self._put, save, self._saves.pop(req.req_id)[0], self.copies.saved())
 
-    def _put(self, save: SaveSpec, bufs: list[torch.Tensor], copied=None) -> None:
+    def _put(self, save: SaveSpec, bufs: list[list[torch.Tensor]], copied=None) -> None:
+        """Store the saved heads' parts of ``save``'s chunks (``bufs[head][chunk]``)."""
         start = time.perf_counter()
-        keys = save.keys
-        blocks = save.blocks or [None] * len(keys)
+        blocks = save.blocks or [None] * len(save.keys)
+        parts = [self.shard.part(j) for j in self.shard.saved_heads]
+        n = len(parts) * len(save.keys)
         try:
             self.copies.wait_saved(copied)  # on CUDA: the device-to-host copies have landed
-            items = [ChunkItem.of(key, buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name, buf.shape[1],
-                                  save.namespace).with_blocks(b) for key, buf, b in zip(keys, bufs, blocks)]
+            items = [ChunkItem.of(part.key(key), buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name,
+                                  buf.shape[1], save.namespace).with_blocks(b if part.announces else None)
+                     for part, head_bufs in zip(parts, bufs) for key, buf, b in zip(save.keys, head_bufs, blocks)]
             stored = self.client.put_many(items)
-            saved = [buf for buf, s in zip(bufs, stored) if s]
-            self.chunks_saved += len(saved)
-            self.counters.add(saved_chunks=len(saved), saved_bytes=sum(b.nbytes for b in saved),
-                              save_seconds=time.perf_counter() - start, failed_saves=len(keys) - len(saved))
+            saved = [item for item, s in zip(items, stored) if s]
+            self.parts_saved += len(saved)
+            self.counters.add(saved_parts=len(saved), saved_bytes=sum(i.nbytes for i in saved),
+                              save_seconds=time.perf_counter() - start, failed_saves=n - len(saved))
         except Exception as exc:
-            self.saves_failed += len(keys)
-            self.counters.add(failed_saves=len(keys), save_seconds=time.perf_counter() - start)
-            logger.warning("kvring save of %d chunks failed (dropped): %s", len(keys), exc)
+            self.saves_failed += n
+            self.counters.add(failed_saves=n, save_seconds=time.perf_counter() - start)
+            logger.warning("kvring save of %d chunk parts failed (dropped): %s", n, exc)
 
     def wait_for_save(self) -> None:
         # The network part runs in the background (the forward pass never waits on it); the

@@ -165,11 +165,12 @@ def test_bench_miss_quick_runs_both_engines_and_writes_json_and_png(tmp_path):
         assert plain["counters"] is None  # no connector, no kvring counters
         assert plain["seconds"] > 0 and kv["seconds"] > 0 and plain["tokens_per_s"] > 0 and kv["tokens_per_s"] > 0
         c = kv["counters"]
-        # Read from vLLM's metrics: one lookup per (new) prompt, every one a miss, chunks saved.  Saves
-        # finish in the background: a batch's count may include the end of the batch before it.
+        # Read from vLLM's metrics: one lookup per (new) prompt, every one a miss, chunks saved (one
+        # part per KV head).  Saves finish in the background: a batch's count may include the end
+        # of the batch before it.
         assert c["lookups"] == r["prompts"] and c["hit_tokens"] == 0
         assert c["queried_tokens"] == r["prompts"] * r["tokens"]
-        assert 0 < c["saved_chunks"] <= 2 * r["prompts"] * r["tokens"] // DEFAULT_CHUNK_SIZE
+        assert 0 < c["saved_parts"] <= 2 * r["prompts"] * r["tokens"] // DEFAULT_CHUNK_SIZE * r["model"]["kv_heads"]
         assert 0 < c["scheduler_hook_seconds"] and 0 < kv["hook_share"] < 1
         assert run["throughput_ratio"] > 0
     summ = r["summary"]

@@ -107,15 +107,7 @@ class LayoutIn(BaseModel):
     head_size: int = Field(ge=1)
     block_layout: str
     chunk_size: int = Field(ge=1)
-    tp_size: int = Field(default=1, ge=1)
-    tp_rank: int = Field(default=0, ge=0)
     weights_version: str = ""
-
-    @model_validator(mode="after")
-    def _rank_in_range(self) -> LayoutIn:
-        if self.tp_rank >= self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} must be below tp_size {self.tp_size}")
-        return self
 
 
 class MMSpanIn(BaseModel):
@@ -145,6 +137,15 @@ class LookupIn(BaseModel):
                                                  "base model.")
     weights_epoch: int = Field(default=0, ge=0, description="The instance's weights epoch (reset_cache count).")
     mm_spans: list[MMSpanIn] = Field(default_factory=list)
+    num_kv_heads: int | None = Field(default=None, ge=1, le=4096,
+                                     description="With 'namespace': the model's KV heads (a chunk is stored as "
+                                                 "one part per head); with 'layout' it comes from the layout.")
+    num_layers: int | None = Field(default=None, ge=1, le=4096,
+                                   description="With 'namespace': the model's layers; with 'layout' it comes "
+                                               "from the layout.")
+    stages: list[tuple[int, int]] | None = Field(
+        default=None, max_length=256, description="The layer range [first, end) of each pipeline stage of the "
+                                                  "instance, as vLLM splits them; default: one stage.")
 
     @model_validator(mode="after")
     def _one_namespace_source(self) -> LookupIn:
@@ -154,6 +155,23 @@ class LookupIn(BaseModel):
         if self.namespace is not None and (self.cache_salt is not None or self.mm_spans):
             raise ValueError("'cache_salt' and 'mm_spans' go with 'layout'; a given 'namespace' already has the "
                              "salt folded in, and multimodal keys need the layout")
+        if self.namespace is not None and (self.num_kv_heads is None or self.num_layers is None):
+            raise ValueError("with 'namespace', give 'num_kv_heads' and 'num_layers' too: a chunk is stored as "
+                             "one part per KV head, and its part keys need them")
+        if self.layout is not None and (self.num_kv_heads is not None or self.num_layers is not None):
+            raise ValueError("'num_kv_heads' and 'num_layers' go with 'namespace'; 'layout' has its own")
+        layers = self.layout.num_layers if self.layout is not None else self.num_layers
+        if self.stages is not None:
+            expected = 0
+            for first, end in self.stages:
+                if first != expected or end <= first:
+                    break
+                expected = end
+            else:
+                if expected == layers:
+                    return self
+            raise ValueError(f"'stages' must cut layers [0, {layers}) into consecutive non-empty ranges, got "
+                             f"{self.stages}")
         return self
 
 
@@ -162,8 +180,10 @@ class ChunkView(BaseModel):
     key: str = Field(description="The chunk key, hex.")
     tokens: tuple[int, int] = Field(description="Token range [start, end) of the prompt.")
     in_prefix: bool = Field(description="Part of the cached prefix (every chunk before it is cached too).")
-    owners: list[str]
-    held_by: list[str] = Field(description="Members that hold it now (empty: not cached).")
+    owners: list[str] = Field(description="Owners of its parts on the current ring.")
+    held_by: list[str] = Field(description="Members that hold one of its parts now (empty: not cached).")
+    parts: int = Field(description="Parts it is stored as: one per KV head and pipeline stage.")
+    parts_held: int = Field(description="Of them, held by one of their owners now; cached only when all are.")
 
 
 class LookupView(BaseModel):

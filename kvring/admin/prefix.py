@@ -1,5 +1,6 @@
 """The prefix lookup (``POST /v1/lookup``) apart from its I/O: checking the request, computing its
-keys and owners exactly as the connector does, and counting the cached prefix.
+keys, its chunks' part keys and their owners exactly as the connector does, and counting the
+cached prefix (a chunk counts when every one of its parts is held).
 
 ``keys_and_owners`` runs on the serving loop for short prompts and on a worker thread for long
 ones (``INLINE_KEY_TOKENS``); the rest is cheap and runs on the serving loop.
@@ -8,6 +9,7 @@ ones (``INLINE_KEY_TOKENS``); the rest is cheap and runs on the serving loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from fastapi import HTTPException, status
 
@@ -15,6 +17,7 @@ from kvring.common.errors import NoOwners
 from kvring.common.hashing import chained_hashes
 from kvring.common.ring import HashRing
 from kvring.connector.keys import KeyScope, KVLayout, MMSpan, request_keys
+from kvring.connector.parts import ChunkParts
 
 from .models import ChunkView, LookupIn
 from .settings import AdminSettings
@@ -41,33 +44,57 @@ def check(body: LookupIn, settings: AdminSettings, chunk_size: int) -> None:
                             f"{chunk_size}; keys computed with it would never match")
 
 
-def keys_and_owners(body: LookupIn, chunk_size: int, ring: HashRing | None,
-                    cluster: str) -> tuple[str, list[bytes], list[list[str]]]:
-    """The lookup's namespace, its chunk keys as the connector computes them, and each key's
-    owners on ``ring``; ``NoOwners`` when there are keys but no active node."""
+@dataclass(frozen=True)
+class PromptKeys:
+    """A lookup's namespace, its chunk keys as the connector computes them, the keys of every
+    part each chunk is stored as (``kvring.connector.parts``: ``per_chunk`` parts each, chunk after
+    chunk) and each part key's owners on the ring."""
+
+    namespace: str
+    chunks: list[bytes]
+    parts: list[bytes]
+    per_chunk: int
+    part_owners: list[list[str]]
+
+
+def keys_and_owners(body: LookupIn, chunk_size: int, ring: HashRing | None, cluster: str) -> PromptKeys:
+    """The lookup's keys and owners; ``NoOwners`` when there are keys but no active node."""
+    stages = tuple(tuple(s) for s in body.stages) if body.stages else None
     if body.layout is None:
         namespace, keys = body.namespace, chained_hashes(body.namespace, body.token_ids, chunk_size)
+        parts = ChunkParts(body.num_kv_heads, stages or ((0, body.num_layers),))
     else:
         layout = KVLayout(**body.layout.model_dump())
         scope = KeyScope(cache_salt=body.cache_salt or "", adapter=body.adapter, weights_epoch=body.weights_epoch)
         spans = [MMSpan(**s.model_dump()) for s in body.mm_spans]
         namespace, keys = layout.namespace(scope), request_keys(layout, body.token_ids, scope, spans)
+        parts = layout.parts(stages)
+    part_keys = parts.keys(keys)
     if not keys:
-        return namespace, [], []
+        return PromptKeys(namespace, [], [], len(parts.parts), [])
     if ring is None or not ring.nodes:
         raise NoOwners(f"no active node in cluster {cluster!r}")
-    return namespace, keys, ring.owners_many(keys)
+    return PromptKeys(namespace, keys, part_keys, len(parts.parts), ring.owners_many(part_keys))
 
 
-def chunk_views(keys: Sequence[bytes], owners: Sequence[list[str]], held: Sequence[list[str]],
-                chunk_size: int) -> tuple[int, list[ChunkView]]:
-    """How many leading chunks are cached (one of their owners holds them, where the connector's
-    lookup looks), and each chunk as the answer lists it."""
-    matched = 0
-    for own, holders in zip(owners, held):
-        if not set(own) & set(holders):
-            break
-        matched += 1
-    return matched, [ChunkView(index=i, key=k.hex(), tokens=(i * chunk_size, (i + 1) * chunk_size),
-                               in_prefix=i < matched, owners=o, held_by=h)
-                     for i, (k, o, h) in enumerate(zip(keys, owners, held))]
+def chunk_views(keys: PromptKeys, held: Sequence[list[str]], chunk_size: int) -> tuple[int, list[ChunkView]]:
+    """How many leading chunks are cached (each of their parts held by one of its owners, where
+    the connector's lookup looks), and each chunk as the answer lists it (``held``: the members
+    holding each part key)."""
+    n = keys.per_chunk
+    matched, views = 0, []
+    for i, key in enumerate(keys.chunks):
+        owners = keys.part_owners[i * n:(i + 1) * n]
+        holders = held[i * n:(i + 1) * n]
+        parts_held = sum(bool(set(own) & set(h)) for own, h in zip(owners, holders))
+        if matched == i and parts_held == n:
+            matched += 1
+        views.append(ChunkView(index=i, key=key.hex(), tokens=(i * chunk_size, (i + 1) * chunk_size),
+                               in_prefix=i < matched, owners=_union(owners), held_by=_union(holders),
+                               parts=n, parts_held=parts_held))
+    return matched, views
+
+
+def _union(lists: Sequence[list[str]]) -> list[str]:
+    """The members of ``lists``, each once, in order of first appearance."""
+    return list(dict.fromkeys(m for members in lists for m in members))

@@ -149,8 +149,9 @@ async def lookup(body: LookupIn, cluster: ClusterHandle = Depends(cluster_of),
     """How many leading tokens of a prompt are cached, and where each chunk is.
 
     Keys are computed exactly as the connector computes them (``kvring.connector.keys``), owners
-    come from the same ring, and a chunk counts towards the prefix when one of its owners holds
-    it (where the connector's lookup looks), so a router sees what a vLLM instance would load.
+    come from the same ring, and a chunk counts towards the prefix when each of its parts (one
+    per KV head and pipeline stage) is held by one of its owners (where the connector's lookup
+    looks), so a router sees what a vLLM instance would load.
     Nothing is leased.  The connector may load a few tokens less than ``matched_tokens``: it
     always recomputes the prompt's last token and loads whole vLLM blocks.
 
@@ -162,13 +163,14 @@ async def lookup(body: LookupIn, cluster: ClusterHandle = Depends(cluster_of),
     async with cluster.queries.slot("lookup"):
         args = (body, chunk_size, view.ring, cluster.settings.etcd.cluster)
         if len(body.token_ids) <= prefix.INLINE_KEY_TOKENS:
-            namespace, keys, owner_lists = prefix.keys_and_owners(*args)
+            keys = prefix.keys_and_owners(*args)
         else:
-            namespace, keys, owner_lists = await asyncio.to_thread(prefix.keys_and_owners, *args)
-        held = await cluster.queries.holders(view.members, keys, owner_lists)
-    matched, chunks = prefix.chunk_views(keys, owner_lists, held, chunk_size)
+            keys = await asyncio.to_thread(prefix.keys_and_owners, *args)
+        held = await cluster.queries.holders(view.members, keys.parts, keys.part_owners)
+    matched, chunks = prefix.chunk_views(keys, held, chunk_size)
     return _answer(LookupView(
-        namespace=namespace, chunk_size=chunk_size, prompt_tokens=len(body.token_ids), chunks_total=len(keys),
+        namespace=keys.namespace, chunk_size=chunk_size, prompt_tokens=len(body.token_ids),
+        chunks_total=len(keys.chunks),
         matched_chunks=matched, matched_tokens=matched * chunk_size, ring_epoch=view.ring_epoch, chunks=chunks,
         view=age,
     ))

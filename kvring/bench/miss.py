@@ -47,7 +47,7 @@ from kvring.local.rundir import run_directory
 
 ENGINES = ("no connector", "kvring")  # the JSON's and the table's names for the two instances
 COUNTERS = ("scheduler_hook_seconds", "lookups", "lookups_past_deadline", "lookup_errors", "queried_tokens",
-            "hit_tokens", "saved_chunks", "saved_bytes", "failed_saves")
+            "hit_tokens", "saved_parts", "saved_bytes", "failed_saves")
 STEP_TIMEOUT_S = 1800.0  # a batch (or an engine start) that takes longer than this is a hang
 OMP_BINDS = ("same", "vllm")
 # After a batch, an engine's processes keep spinning on vLLM's shared-memory message queues for

@@ -18,7 +18,9 @@ from .types import ChunkHash
 
 HASH_ALGORITHM = "blake2b-128"
 DIGEST_SIZE = 16
-FORMAT_VERSION = 1
+# 2: a chunk is stored as one object per KV head and pipeline stage (``kvring.connector.parts``),
+# so chunks of every tensor-parallel size are shared; 1 stored each rank's heads under one key.
+FORMAT_VERSION = 2
 DEFAULT_CHUNK_SIZE = 256
 
 

@@ -11,6 +11,8 @@ SPEC (JSON)::
     {"model": DIR,                       # e.g. from write_tiny_llama
      "dtype": "bfloat16",                # optional; also the dtype of generated prompt embeds
      "max_model_len": 8192, "max_tokens": 8, "prefix_caching": false, "kv_cache_gib": 1,
+     "tensor_parallel_size": 1, "pipeline_parallel_size": 1,  # optional: workers in processes of
+                                         #   their own, one CPU each (VLLM_CPU_OMP_THREADS_BIND)
      "connector": {...} | null,          # KVRingConnector's kv_connector_extra_config
      "lora": {                           # optional: LLM(enable_lora=True, ...)
          "max_rank": 8,                  # max_lora_rank (vLLM allows 1, 8, 16, 32, 64, ...)
@@ -307,7 +309,15 @@ def engine_kwargs(spec: dict) -> dict[str, Any]:
                   max_loras=spec["lora"].get("max_loras", len(spec["lora"]["adapters"])))
     if spec.get("prompt_embeds"):
         kw["enable_prompt_embeds"] = True
-    return dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
+    tp, pp = spec.get("tensor_parallel_size", 1), spec.get("pipeline_parallel_size", 1)
+    if tp * pp > 1:
+        kw.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp")
+    if pp > 1:
+        # vLLM's CPU runner allocates a later stage's input buffers in its warm-up, which it runs
+        # only for a compiled model: eager it asserts on its first step.  Dynamo traced once with
+        # the eager backend warms up without compiling anything.
+        kw["compilation_config"] = {"mode": 2, "backend": "eager"}
+    return dict(model=spec["model"], skip_tokenizer_init=True, enforce_eager=pp == 1,
                 dtype=spec.get("dtype", "bfloat16"),
                 enable_prefix_caching=spec.get("prefix_caching", False),
                 max_model_len=spec.get("max_model_len", 8192),
@@ -368,20 +378,33 @@ def run(spec: dict) -> dict:
         steps.append({"prompts": len(outs), "seconds": t1 - t0,
                       "counters": connector_counters() if spec.get("connector") else {}})
     keys: list[list[str] | None] = []
-    layout_fields = None
+    layout_fields = parts = None
     if spec.get("connector"):
         from kvring.cachenode.client import ClusterClient
-        from kvring.connector.instance import layout_from_vllm
+        from kvring.connector.instance import chunk_parts, layout_from_vllm
         from kvring.connector.keys import KeyScope, request_keys
 
         with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
             layout = layout_from_vllm(llm.llm_engine.vllm_config, c.contract.chunk_size)
+        parts = [dataclasses.astuple(p) for p in chunk_parts(llm.llm_engine.vllm_config, layout).parts]
         # Keys of plain token prompts only: how the connector keys a prompt under an adapter or
         # given as embeddings is the connector's business, so those items get None.
         keys = [[k.hex() for k in request_keys(layout, item["tokens"], KeyScope(cache_salt=item.get("salt") or ""))]
                 if "tokens" in item and not item.get("lora") else None for item in _prompt_items(spec["prompts"])]
         layout_fields = dataclasses.asdict(layout)
-    return {"results": results, "keys": keys, "layout": layout_fields, "steps": steps}
+    # keys: each prompt's chunk keys; parts: (head, first layer, end layer) of each part a chunk
+    # is stored as (``kvring.connector.parts``).
+    return {"results": results, "keys": keys, "layout": layout_fields, "parts": parts, "steps": steps}
+
+
+def _bind_workers(workers: int) -> None:
+    """vLLM's CPU build binds each worker's OpenMP threads to the CPUs of its entry in
+    ``VLLM_CPU_OMP_THREADS_BIND`` ("0|1": one each); with several workers, give each one CPU of
+    this process's, round robin, unless a binding with one entry per worker is set already."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if workers > 1 and len(bind.split("|")) != workers:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(workers))
 
 
 def _wait_for(path: Path, timeout: float) -> None:
@@ -395,4 +418,5 @@ def _wait_for(path: Path, timeout: float) -> None:
 if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
+    _bind_workers(spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1))
     Path(sys.argv[2]).write_text(json.dumps(run(spec)))

@@ -93,7 +93,7 @@ def test_cluster_contract_epoch_and_members(api, cluster):
     assert body["view"]["stale"] is False and body["view"]["stale_reason"] is None
     assert 0 <= body["view"]["age_s"] < 5 and abs(as_of(body) - time.time()) < 5
     assert body["cluster"] == cluster.cluster and body["etcd"] == [cluster.etcd]
-    assert body["contract"] == {"hash_algorithm": "blake2b-128", "chunk_size": 256, "format_version": 1,
+    assert body["contract"] == {"hash_algorithm": "blake2b-128", "chunk_size": 256, "format_version": 2,
                                 "vnodes": 1024, "replication": 1}
     assert body["nodes"] == 3 and body["nodes_on_ring"] == 3 and body["states"] == {"active": 3}
     assert body["ring_epoch"] > 0 and body["etcd_revision"] >= body["ring_epoch"]
@@ -152,7 +152,9 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     keys = request_keys(LAYOUT, tokens, KeyScope(cache_salt=salt))
     assert len(keys) == 5
     namespace = LAYOUT.namespace(KeyScope(cache_salt=salt))
-    _put(client, keys[:3] + keys[4:], namespace)  # chunks 0-2 and 4: the prefix stops at chunk 3
+    parts = LAYOUT.parts()
+    # Chunks 0-2 and 4 whole, chunk 3 only its head-0 part: the prefix stops at chunk 3.
+    _put(client, parts.keys(keys[:3] + keys[4:]) + [parts.parts[0].key(keys[3])], namespace)
 
     body = api.post("/v1/lookup", json=_layout_body(tokens, salt)).json()
     assert body["namespace"] == namespace and body["chunk_size"] == 256
@@ -160,9 +162,10 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     assert [c["key"] for c in body["chunks"]] == [k.hex() for k in keys]
     assert body["matched_chunks"] == 3 and body["matched_tokens"] == 768
     assert [c["in_prefix"] for c in body["chunks"]] == [True, True, True, False, False]
-    assert [bool(c["held_by"]) for c in body["chunks"]] == [True, True, True, False, True]
-    assert all(c["held_by"] == c["owners"] == client.owners(bytes.fromhex(c["key"]))
-               for c in body["chunks"] if c["held_by"])
+    assert [c["parts_held"] for c in body["chunks"]] == [2, 2, 2, 1, 2] and {c["parts"] for c in body["chunks"]} == {2}
+    for c in body["chunks"]:
+        owners = list(dict.fromkeys(n for k in parts.keys([bytes.fromhex(c["key"])]) for n in client.owners(k)))
+        assert c["owners"] == owners and set(c["held_by"]) <= set(owners) and c["held_by"]
     assert body["chunks"][3]["tokens"] == [768, 1024]
 
     # The connector's own scheduler-side lookup, on its own client, sees the same prefix.
@@ -182,7 +185,8 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     assert lookup.hit_chunks == body["matched_chunks"] and external == body["matched_tokens"]
 
     # The namespace string given directly computes the same keys.
-    direct = api.post("/v1/lookup", json={"token_ids": tokens, "namespace": namespace}).json()
+    direct = api.post("/v1/lookup", json={"token_ids": tokens, "namespace": namespace, "num_kv_heads": 2,
+                                          "num_layers": 2}).json()
     assert direct["matched_chunks"] == 3 and [c["key"] for c in direct["chunks"]] == [k.hex() for k in keys]
     # Another tenant's salt shares nothing; nor does the same prompt without a salt.
     assert api.post("/v1/lookup", json=_layout_body(tokens, "tenant-8")).json()["matched_chunks"] == 0
@@ -205,6 +209,10 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     ({"token_ids": [2**32], "namespace": "ns"}, "less than 4294967296"),
     ({"token_ids": "1 2 3", "namespace": "ns"}, "valid list"),
     ({"token_ids": [1], "namespace": "ns", "surprise": 1}, "Extra inputs are not permitted"),
+    ({"token_ids": [1], "namespace": "ns"}, "give 'num_kv_heads' and 'num_layers' too"),
+    ({"token_ids": [1], "layout": vars(LAYOUT), "num_kv_heads": 2}, "go with 'namespace'"),
+    ({"token_ids": [1], "layout": vars(LAYOUT), "stages": [[0, 1], [2, 2]]}, "'stages' must cut layers [0, 2)"),
+    ({"token_ids": [1], "layout": vars(LAYOUT), "stages": [[0, 1]]}, "'stages' must cut layers [0, 2)"),
     ({"token_ids": [1], "layout": {**vars(LAYOUT), "num_layers": 0}}, "greater than or equal to 1"),
     ({"token_ids": [1], "layout": {**vars(LAYOUT), "chunk_size": 16}}, "cluster's chunk size is 256"),
     ({"token_ids": [1] * 300, "layout": vars(LAYOUT),
@@ -340,7 +348,8 @@ def test_etcd_down_is_a_clear_503(admin_server):
         for method, path, body in (("GET", "/v1/cluster", None), ("GET", "/v1/nodes", None),
                                    ("GET", "/v1/nodes/node-0", None), ("GET", f"/v1/keys/{'ab' * 16}/owners", None),
                                    ("POST", "/v1/nodes/node-0/drain", None),
-                                   ("POST", "/v1/lookup", {"token_ids": [1], "namespace": "ns"})):
+                                   ("POST", "/v1/lookup", {"token_ids": [1], "namespace": "ns", "num_kv_heads": 1,
+                                                             "num_layers": 1})):
             resp = api.request(method, path, json=body, headers=AUTH)
             assert resp.status_code == 503, (path, resp.text)
             assert "etcd at 127.0.0.1:" in resp.json()["detail"] and "cannot be reached" in resp.json()["detail"]

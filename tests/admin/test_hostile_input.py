@@ -30,11 +30,14 @@ from kvring.admin.middleware import BodyLimit, GuardErrors
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
 from kvring.common.hashing import chained_hashes
+from kvring.connector.parts import ChunkPart
 from kvring.local.cluster import LocalCluster, LocalEtcd
 
 MiB = 1 << 20
 LIMIT_TEXT = "1.0 MiB (1048576 bytes)"  # the default max_body_bytes, as the 413 states it
 NAMESPACE = "kvring/v1/hostile"
+PART = ChunkPart(0, 0, 2)  # chunks of a 1-KV-head, 2-layer model: one part each
+SHAPE = {"namespace": NAMESPACE, "num_kv_heads": 1, "num_layers": 2}  # what a lookup names them by
 LOADGEN = Path(__file__).with_name("loadgen.py")
 TOKEN = "test-token-0123456789abcdef"  # the token conftest's admin_server starts the admin with
 
@@ -59,7 +62,7 @@ def stored_prompt(cluster) -> list[int]:
     data = np.arange(2 * 2 * 256 * 2 * 8, dtype=np.uint8)
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(3)
-        assert all(client.put_many([ChunkItem.of(k, data, [2, 256, 2, 16], "uint8", 256, NAMESPACE)
+        assert all(client.put_many([ChunkItem.of(PART.key(k), data, [2, 256, 2, 16], "uint8", 256, NAMESPACE)
                                     for k in keys[:4]]))
     return tokens
 
@@ -105,7 +108,7 @@ def test_a_100mb_body_is_refused_before_it_is_read(server, mode):
 def test_a_body_under_the_limit_is_served(server, stored_prompt):
     filler = np.random.default_rng(6).integers(10_000, 32_000, size=100_000).tolist()
     tokens = stored_prompt + filler  # ~700 KB of JSON: under the limit, and a long lookup
-    body = json.dumps({"token_ids": tokens, "namespace": NAMESPACE}).encode()
+    body = json.dumps({"token_ids": tokens, **SHAPE}).encode()
     assert 512 * 1024 < len(body) < MiB
     with server.client() as api:
         resp = api.post("/v1/lookup", content=body, headers={"content-type": "application/json"})
@@ -207,14 +210,14 @@ class Outcome:
 def _request_mix(tokens: list[int], n: int, seed: int = 1) -> list[dict]:
     """``n`` requests as ``loadgen`` takes them, shuffled: reads of the view, lookups and key
     owners that ask the nodes, and requests that must be refused."""
-    stored_key = chained_hashes(NAMESPACE, tokens, 256)[0].hex()
+    stored_key = PART.key(chained_hashes(NAMESPACE, tokens, 256)[0]).hex()
     as_json = {"content-type": "application/json"}
     kinds = {
         "healthz": {"method": "GET", "path": "/healthz"},
         "cluster": {"method": "GET", "path": "/v1/cluster"},
         "nodes": {"method": "GET", "path": "/v1/nodes"},
         "node": {"method": "GET", "path": "/v1/nodes/node-1"},
-        "lookup": {"method": "POST", "path": "/v1/lookup", "json": {"token_ids": tokens, "namespace": NAMESPACE}},
+        "lookup": {"method": "POST", "path": "/v1/lookup", "json": {"token_ids": tokens, **SHAPE}},
         "owners": {"method": "GET", "path": f"/v1/keys/{stored_key}/owners"},
         "bad-json": {"method": "POST", "path": "/v1/lookup", "data_b64": _b64(b"{junk"), "headers": as_json},
         "not-utf8": {"method": "POST", "path": "/v1/lookup", "headers": as_json,
@@ -300,7 +303,8 @@ def test_reads_answer_from_the_last_view_marked_stale_while_etcd_is_away(admin_s
                 nodes = api.get("/v1/nodes").json()
                 assert [n["node_id"] for n in nodes["nodes"]] == ["node-0", "node-1"] and nodes["view"]["stale"]
                 assert api.get("/v1/nodes/node-1").json()["view"]["stale"]
-                lookup = api.post("/v1/lookup", json={"token_ids": list(range(600)), "namespace": "ns"})
+                lookup = api.post("/v1/lookup", json={"token_ids": list(range(600)), "namespace": "ns",
+                                                                     "num_kv_heads": 2, "num_layers": 2})
                 assert lookup.status_code == 200 and lookup.json()["view"]["stale"]  # the nodes still answer
                 drain = api.post("/v1/nodes/node-0/drain", headers={"Authorization": f"Bearer {TOKEN}"})
                 assert drain.status_code == 503 and "cannot be reached" in drain.json()["detail"]

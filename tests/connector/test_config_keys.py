@@ -50,7 +50,7 @@ def test_keys_depend_on_layout_and_salt_but_share_prefixes():
     tenant = KeyScope(cache_salt="tenant-a")
     assert set(request_keys(LAYOUT, tokens, tenant)).isdisjoint(keys)
     assert request_keys(LAYOUT, tokens, tenant) == request_keys(LAYOUT, tokens, KeyScope(cache_salt="tenant-a"))
-    for change in ({"kv_dtype": "float16"}, {"num_layers": 3}, {"tp_size": 2}, {"config_fingerprint": "abd"},
+    for change in ({"kv_dtype": "float16"}, {"num_layers": 3}, {"num_kv_heads": 4}, {"config_fingerprint": "abd"},
                    {"weights_version": "step-200"}):
         assert set(request_keys(dataclasses.replace(LAYOUT, **change), tokens)).isdisjoint(keys)
 

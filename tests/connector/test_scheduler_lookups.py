@@ -34,9 +34,12 @@ def _request(req_id: str, tokens: list[int]) -> SimpleNamespace:
                            cache_salt=None, mm_features=None, lora_request=None, prompt_embeds=None)
 
 
-def _store(client: ClusterClient, keys: list[bytes]) -> None:
-    data = np.zeros(2 * CHUNK * 2 * 32 * 2, dtype=np.uint8)  # bfloat16: 2 bytes each
-    assert all(client.put_many([ChunkItem.of(k, data, [2, CHUNK, 2, 32], "bfloat16", CHUNK) for k in keys]))
+def _store(client: ClusterClient, keys: list[bytes], parts: list[int] | None = None) -> None:
+    """Store every part of the chunks ``keys`` (one per KV head), or only the heads ``parts``."""
+    data = np.zeros(2 * CHUNK * 1 * 32 * 2, dtype=np.uint8)  # bfloat16: 2 bytes each
+    chosen = [p for p in LAYOUT.parts().parts if parts is None or p.head in parts]
+    assert all(client.put_many([ChunkItem.of(p.key(k), data, [2, CHUNK, 1, 32], "bfloat16", CHUNK)
+                                for k in keys for p in chosen]))
 
 
 def _poll(sched: SchedulerSide, request, timeout: float = 5.0) -> tuple[int, float, float]:
@@ -67,10 +70,11 @@ def _scheduler(cluster, **settings) -> tuple[SchedulerSide, ClusterClient]:
 
 
 def _prompt_owned(client: ClusterClient, rng, chunks: int, want_node: str | None, avoid_node: str | None):
-    """Random tokens whose chunk keys are owned (first chunk) by ``want_node`` / never by ``avoid_node``."""
+    """Random tokens whose chunks' parts are owned (the first chunk's first) by ``want_node`` /
+    never by ``avoid_node``."""
     for _ in range(500):
         tokens = rng.integers(10, 30_000, size=chunks * CHUNK + 7).tolist()
-        owners = [client.owners(k)[0] for k in request_keys(LAYOUT, tokens)]
+        owners = [client.owners(k)[0] for k in LAYOUT.parts().keys(request_keys(LAYOUT, tokens))]
         if want_node is not None and owners[0] != want_node:
             continue
         if avoid_node is not None and avoid_node in owners:
@@ -83,7 +87,9 @@ def test_a_lookup_answers_on_a_later_call_and_is_sent_once(cluster):
     sched, client = _scheduler(cluster, lookup_wait_ms=0)
     try:
         tokens = np.random.default_rng(0).integers(10, 30_000, size=3 * CHUNK + 5).tolist()
-        _store(client, request_keys(LAYOUT, tokens)[:2])
+        keys = request_keys(LAYOUT, tokens)
+        _store(client, keys[:2])
+        _store(client, keys[2:3], parts=[0])  # chunk 2: one rank's save landed, the other's did not
         request = _request("r", tokens)
         sched.on_new_request(request)
         # With no waiting allowed, the first call cannot have the answer yet.

@@ -17,6 +17,7 @@ from kvring.common.errors import ContractMismatch
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.connector import connect
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
+from kvring.connector.parts import ChunkPart
 from kvring.connector.worker import WorkerSide
 
 CHUNK, BLOCK, HEADS, CH, LAYERS, BLOCKS = 32, 16, 2, 8, 3, 64
@@ -42,6 +43,11 @@ def _slots(block_ids: list[int], n: int) -> np.ndarray:
     return np.asarray(block_ids)[t // BLOCK] * BLOCK + t % BLOCK
 
 
+def _parts(key: bytes, heads=range(HEADS)) -> list[bytes]:
+    """The part keys of chunk ``key`` (one per KV head: ``kvring.connector.parts``)."""
+    return [ChunkPart(h, 0, LAYERS).key(key) for h in heads]
+
+
 def _saved(cluster, keys: list[bytes], blocks: list[int]) -> WorkerSide:
     """A worker that saved ``keys`` (one chunk each) from ``blocks`` of its random cache."""
     saver = _worker(cluster, "layerwise")
@@ -51,7 +57,7 @@ def _saved(cluster, keys: list[bytes], blocks: list[int]) -> WorkerSide:
     for name in saver.layer_names:
         saver.save_kv_layer(meta, name, saver.kv_caches[name])
     saver.flush()
-    assert saver.chunks_saved == len(keys)
+    assert saver.parts_saved == len(keys) * HEADS
     return saver
 
 
@@ -79,12 +85,12 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
     for name in saver.layer_names:
         saver.save_kv_layer(meta, name, saver.kv_caches[name])
     saver.flush()
-    assert saver.chunks_saved == 4
+    assert saver.parts_saved == 4 * HEADS
 
     loader = _worker(cluster, mode)
     loader.register_kv_caches(_caches(2, device))
     before = {n: t.clone() for n, t in loader.kv_caches.items()}
-    assert loader.client.delete([keys[2]]) == 1  # evicted between lookup and load
+    assert loader.client.delete(_parts(keys[2], [1])) == 1  # one part evicted between lookup and load
     dst_blocks = list(range(30, 38))
     load = LoadSpec(keys, start=0, write_from=CHUNK // 2, end=4 * CHUNK - 1)
     loader.start_load_kv(KVRingMetadata([ReqMeta("b", _slots(dst_blocks, 4 * CHUNK), dst_blocks, load=load)]))
@@ -98,16 +104,22 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
         src, dst, old = (t[name].cpu() for t in (saver.kv_caches, loader.kv_caches, before))
         for t in range(4 * CHUNK):
             got = dst[dst_slots[t] // BLOCK, :, dst_slots[t] % BLOCK]
-            if CHUNK // 2 <= t < 4 * CHUNK - 1 and not 2 * CHUNK <= t < 3 * CHUNK:
-                assert torch.equal(got, src[src_slots[t] // BLOCK, :, src_slots[t] % BLOCK]), (name, t)
-            else:  # before write_from, the lost chunk, and the last token: untouched
-                assert torch.equal(got, old[dst_slots[t] // BLOCK, :, dst_slots[t] % BLOCK]), (name, t)
+            want_src, want_old = (x[src_slots[t] // BLOCK if x is src else dst_slots[t] // BLOCK, :,
+                                    (src_slots[t] if x is src else dst_slots[t]) % BLOCK] for x in (src, old))
+            if 2 * CHUNK <= t < 3 * CHUNK:
+                # The chunk with a lost part: that head is untouched (its blocks are reported, and
+                # vLLM recomputes them whole, the other head's loaded KV included).
+                assert torch.equal(got[1], want_old[1]), (name, t)
+            elif CHUNK // 2 <= t < 4 * CHUNK - 1:
+                assert torch.equal(got, want_src), (name, t)
+            else:  # before write_from, and the last token: untouched
+                assert torch.equal(got, want_old), (name, t)
         other = [b for b in range(BLOCKS) if b not in dst_blocks]
         assert torch.equal(dst[other], old[other])
-    # Saved chunks carry the request's namespace: flushing it removes the 3 that are left.
+    # Saved parts carry the request's namespace: flushing it removes the 7 that are left.
     assert loader.client.flush_namespace("ns-other") == 0
-    assert loader.client.flush_namespace(f"ns-{mode}-{device}") == 3
-    assert not any(loader.client.lookup(keys))
+    assert loader.client.flush_namespace(f"ns-{mode}-{device}") == 7
+    assert not any(loader.client.lookup([p for k in keys for p in _parts(k)]))
     for w in (saver, loader):
         w.shutdown()
         w.client.close()
@@ -127,7 +139,7 @@ def test_an_async_load_is_reported_through_get_finished(cluster_factory):
     saver = _saved(cluster, keys, src_blocks)
     loader = _worker(cluster, "async")
     loader.register_kv_caches(_caches(2))
-    assert loader.client.delete([keys[1]]) == 1
+    assert loader.client.delete(_parts(keys[1])) == HEADS
     load = LoadSpec(keys, start=0, write_from=0, end=4 * CHUNK - 1, asynchronous=True, deadline_s=5.0)
     loader.start_load_kv(KVRingMetadata([ReqMeta("b", _slots(dst_blocks, 4 * CHUNK), dst_blocks, load=load)]))
     _finished(loader, "b", timeout=5)
