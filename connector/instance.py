@@ -13,7 +13,7 @@ import hashlib
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from .keys import KVLayout
-from .parts import ChunkParts, RankShard, stage_layers
+from .parts import ChunkParts, RankShard
 
 
 def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "") -> KVLayout:
@@ -36,6 +36,14 @@ def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "") ->
 def _total_kv_heads(model) -> int:
     """The model's KV heads as its workers' caches hold them (an MLA latent is one, on every rank)."""
     return 1 if model.use_mla else model.get_total_num_kv_heads()
+
+
+def stage_layers(num_layers: int, pp_size: int) -> tuple[tuple[int, int], ...]:
+    """The layer range of each pipeline stage, as vLLM splits them (``get_pp_indices``, which
+    honours ``VLLM_PP_LAYER_PARTITION``)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    return tuple(get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size))
 
 
 def chunk_parts(vllm_config, layout: KVLayout) -> ChunkParts:

@@ -75,13 +75,6 @@ class ChunkParts:
         return [all(part_present[i:i + n]) for i in range(0, len(part_present), n)]
 
 
-def stage_layers(num_layers: int, pp_size: int) -> tuple[tuple[int, int], ...]:
-    """The layer range of each pipeline stage, as vLLM splits them (``get_pp_indices``)."""
-    from vllm.distributed.utils import get_pp_indices
-
-    return tuple(get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size))
-
-
 @dataclass(frozen=True, slots=True)
 class RankShard:
     """The KV one worker holds: the model's KV heads in the order of its cache's head dimension,

@@ -10,7 +10,8 @@ import itertools
 import pytest
 
 from kvring.connector.keys import KVLayout, request_keys
-from kvring.connector.parts import ChunkPart, ChunkParts, RankShard, stage_layers
+from kvring.connector.instance import stage_layers
+from kvring.connector.parts import ChunkPart, ChunkParts, RankShard
 
 LAYOUT = KVLayout(model="m", config_fingerprint="f", kv_dtype="bfloat16", num_layers=4, num_kv_heads=4,
                   head_size=16, block_layout="BHNC", chunk_size=16)
