@@ -304,7 +304,9 @@ class WorkerSide:
             self.counters.add(loads=1, loaded_bytes=job.nbytes, load_seconds=job.seconds)
         entry = {"mode": self.config.load_mode, "chunks": job.chunks, "parts": len(job.keys), "bytes": job.nbytes,
                  "seconds": job.seconds, "first_layer_seconds": job.first_layer_s,
-                 "failed_blocks": len(job.failed_blocks)}
+                 "failed_blocks": len(job.failed_blocks),
+                 # which worker: under tensor or pipeline parallelism each appends its own lines
+                 "heads": list(self.shard.heads), "layers": [self.shard.first_layer, self.shard.end_layer]}
         self.loads.append(entry)
         del self.loads[:-1000]
         logger.debug("kvring load: %(chunks)d chunks, %(bytes)d bytes in %(seconds).4f s", entry)

@@ -228,3 +228,33 @@ def test_slow_node_bench_reads_each_prompts_decision_from_the_counters_around_it
     assert [row["recompute_ttft"] for row in r["rows"]] == [x["ttft"] for x in recomputes]
     assert r["all_same_tokens"] and r["summary"]["slowed"]["decisions"] == {
         "abandoned": 1, "lookup past deadline": 1, "refused": 1}
+
+
+def test_bench_e2e_tp_sums_its_workers_loads_and_shows_both_tp_sizes(tmp_path):
+    """Each TP worker appends its own line per load: a load is all workers' bytes over the slowest
+    worker's time."""
+    import json
+
+    from kvring.bench.e2e_tp import _loads
+    from kvring.bench.e2e_tp import _plot as tp_plot
+    from kvring.bench.e2e_tp import _table as tp_table
+
+    stats = tmp_path / "loads.jsonl"
+    lines = [{"heads": [0, 1], "layers": [0, 6], "bytes": 100, "parts": 8, "seconds": 0.2, "failed_blocks": 0},
+             {"heads": [2, 3], "layers": [0, 6], "bytes": 100, "parts": 8, "seconds": 0.3, "failed_blocks": 2},
+             {"heads": [0, 1], "layers": [0, 6], "bytes": 50, "parts": 4, "seconds": 0.1, "failed_blocks": 0},
+             {"heads": [2, 3], "layers": [0, 6], "bytes": 50, "parts": 4, "seconds": 0.05, "failed_blocks": 0}]
+    stats.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert _loads(stats) == [{"bytes": 200, "parts": 16, "seconds": 0.3, "workers": 2, "failed_blocks": 2},
+                             {"bytes": 100, "parts": 8, "seconds": 0.1, "workers": 2, "failed_blocks": 0}]
+    entry = {"ttft": 0.05, "recompute_ttft": 0.5, "loaded_tokens": 896, "identical": True,
+             "load": _loads(stats)[0], "plain_tcp_seconds": 0.001, "plain_tcp_bytes": 100}
+    results = {"tp": 2, "model": {"layers": 6, "hidden": 1024, "kv_heads": 4},
+               "rows": [{"tokens": 1024, "stored_bytes": {"1": 12 << 20, "2": 12 << 20}, "1": dict(entry),
+                         "2": dict(entry)}]}
+    console = Console(record=True, width=300)
+    console.print(tp_table(results))
+    text = console.export_text()
+    assert "stored by TP 2" in text and text.count("12.0 MiB") == 4 and text.count("896") == 2
+    tp_plot(results, tmp_path / "tp.png")
+    assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"

@@ -97,6 +97,7 @@ def test_a_file_that_is_not_a_trace_is_one_line(files, args, expected):
     (["bench", "data-plane", "--peers", "memcached"], ["unknown peers ['memcached']"]),
     (["bench", "e2e", "--tokens", "100"], ["--tokens", "at least 300 tokens"]),
     (["bench", "e2e", "--memory", "0"], ["--memory", "must be positive"]),
+    (["bench", "e2e", "--tp", "3"], ["--tp", "4 KV heads, which 3 ranks cannot split"]),
     (["bench", "miss", "--omp-bind", "all"], ["--omp-bind"]),
     (["bench", "repair", "--chunk-bytes", "lots"], ["--chunk-bytes", "4GiB"]),
     (["bench", "slow-node", "--stop-ms", "0"], ["--stop-ms"]),

@@ -89,14 +89,14 @@ class Throttle:
 
 
 def _placed_prompts(layout, client, n: int, tokens: int, node: str, seed: int) -> list[list[int]]:
-    """``n`` random prompts whose first chunk ``node`` owns (no two share a chunk)."""
+    """``n`` random prompts the first part of whose first chunk ``node`` owns (no two share a chunk)."""
     from kvring.connector.keys import request_keys
 
     rng = np.random.default_rng(seed)
     out = []
     while len(out) < n:
         p = rng.integers(10, 2000, size=tokens).tolist()
-        if client.owners(request_keys(layout, p)[0])[0] == node:
+        if client.owners(layout.parts().parts[0].key(request_keys(layout, p)[0]))[0] == node:
             out.append(p)
     return out
 

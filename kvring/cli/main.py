@@ -407,11 +407,16 @@ def bench_e2e(
     hidden: Annotated[int, typer.Option(help="Hidden size of the random Llama (8 heads of 128).", min=128)] = 1024,
     intermediate: Annotated[int, typer.Option(help="MLP width of the random Llama.", min=1)] = 11008,
     memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "2GiB",
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size to compare with TP 1 (1: the load modes "
+                                                 "instead); the model's 4 KV heads must split over it.",
+                                    min=1)] = 1,
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """Time to first token with real vLLM: loaded from a 3-node cluster (layerwise, bulk, async) vs recomputed."""
+    """Time to first token with real vLLM: loaded from a 3-node cluster (layerwise, bulk, async) vs recomputed;
+    with --tp N, TP N and TP 1 instances loading what TP N stored."""
     from kvring.bench.e2e import run_bench_e2e
+    from kvring.bench.e2e_tp import KV_HEADS, run_bench_e2e_tp
 
     try:
         sizes = [int(t) for t in tokens.split(",")]
@@ -421,6 +426,13 @@ def bench_e2e(
     if any(n < 300 for n in sizes):
         raise typer.BadParameter("each prompt needs at least 300 tokens (one whole chunk and more)",
                                  param_hint="--tokens")
+    if tp > 1:
+        if KV_HEADS % tp:
+            raise typer.BadParameter(f"the bench's model has {KV_HEADS} KV heads, which {tp} ranks cannot split; "
+                                     "use 2 or 4", param_hint="--tp")
+        run_bench_e2e_tp(tp, sizes, layers=layers, hidden=hidden, intermediate=intermediate,
+                         memory=_size(memory, "--memory"), json_out=json_out, plot=plot)
+        return
     run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
                   json_out=json_out, plot=plot)
 

@@ -29,6 +29,7 @@ SPEC (JSON)::
             "lora": NAME}                             # optional: run under that adapter
          | {"batch": [ITEM, ...]}                     # these prompts in one generate call (at once)
          | {"signal": [PID, "SIGSTOP"]}               # send a signal (e.g. stop a cache node)
+         | {"post": URL}                              # an HTTP POST (e.g. a node's fault injection)
          | {"reset_cache": true}                      # reset_prefix_cache(reset_connector=True): what
                                                       #   vLLM does after an in-place weight update
          | {"wait_for": PATH, "timeout": 1800}        # wait until the file PATH exists (a driver's go)
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
     import torch
 
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-_ACTIONS = {"signal", "reset_cache", "wait_for", "touch"}  # spec steps that run no prompt
+_ACTIONS = {"signal", "post", "reset_cache", "wait_for", "touch"}  # spec steps that run no prompt
 # vLLM binds its IPC sockets at VLLM_RPC_BASE_PATH/<uuid4>; a Unix socket's path has at most 107 bytes.
 IPC_BASE_MAX = 107 - len("/") - 36
 
@@ -358,6 +359,12 @@ def run(spec: dict) -> dict:
         if "signal" in step:
             pid, sig = step["signal"]
             os.kill(int(pid), getattr(signal, sig))
+            continue
+        if "post" in step:
+            import urllib.request
+
+            with urllib.request.urlopen(urllib.request.Request(step["post"], method="POST"), timeout=10) as resp:
+                resp.read()
             continue
         if "reset_cache" in step:
             if not llm.reset_prefix_cache(reset_connector=True):

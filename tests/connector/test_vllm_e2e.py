@@ -18,6 +18,7 @@ from polling import wait_for
 from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
 
 from kvring.cachenode.client import ClusterClient
+from kvring.connector.parts import ChunkPart
 from kvring.local.cluster import LocalCluster
 
 CHUNK = 256
@@ -68,6 +69,11 @@ def _stored_keys(client: ClusterClient) -> set[str]:
     return {k.hex() for n in client.members for k in client.list_keys(n)}
 
 
+def _part_keys(run: dict, chunk_keys) -> set[str]:
+    """The keys of every part (one per KV head) of chunks ``chunk_keys`` (hex), as ``run`` stores them."""
+    return {ChunkPart(*p).key(bytes.fromhex(k)).hex() for k in chunk_keys for p in run["parts"]}
+
+
 @pytest.mark.parametrize("mode", ["layerwise", "bulk"])
 def test_second_instance_loads_what_the_first_computed(etcd_server, model, prompts, reference, mode, tmp_path):
     p1, p2 = prompts
@@ -85,14 +91,14 @@ def test_second_instance_loads_what_the_first_computed(etcd_server, model, promp
                 # Exactly the whole chunks of both prompts (their shared 2 chunks once).
                 expected = {k for keys in a["keys"] for k in keys}
                 assert len(a["keys"][0]) == 4 and len(a["keys"][1]) == 4 and len(expected) == 6
-                assert _stored_keys(client) == expected
+                assert _stored_keys(client) == _part_keys(a, expected)  # 2 KV heads: 2 parts a chunk
                 _check_kv_events(tap, nodes, cluster.cluster, p1, p2)
             b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
                 {"tokens": p1}, {"tokens": p2}, {"tokens": p1[:512] + p2[700:]}, {"tokens": p1, "salt": "tenant-b"},
                 {"tokens": p1[:1024]}]})
-            # Deleting a chunk (p2's last) announces the removal of exactly its 2 blocks.
+            # Deleting a chunk (p2's last: both its parts) announces the removal of exactly its 2 blocks.
             with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
-                assert client.delete([bytes.fromhex(a["keys"][1][3])]) == 1
+                assert client.delete([bytes.fromhex(k) for k in _part_keys(a, [a["keys"][1][3]])]) == 2
             wait_for(lambda: removed_hashes(tap.events()), 10, "the deleted chunk's removal announced")
             assert removed_hashes(tap.events()) == vllm_block_hashes(p2[:4 * CHUNK], 128)[6:8]
         finally:
@@ -141,8 +147,8 @@ def test_node_killed_between_instances_still_gives_identical_output(etcd_server,
         conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "timeout": 1.0}
         a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
         with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
-            owners = [client.owners(bytes.fromhex(k))[0] for k in a["keys"][0]]
-        victim = next(n for n in cluster.nodes if n.node_id == owners[1])  # holds p1's second chunk
+            owners = [client.owners(ChunkPart(*a["parts"][0]).key(bytes.fromhex(k)))[0] for k in a["keys"][0]]
+        victim = next(n for n in cluster.nodes if n.node_id == owners[1])  # holds a part of p1's second chunk
         victim.kill()
         b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
     assert [r["tokens"] for r in b["results"]] == reference[:2]
@@ -171,8 +177,8 @@ def test_unfull_chunk_and_decode_cache_are_saved_and_loaded(etcd_server, model, 
             prompt_keys = request_keys(layout, q, KeyScope(cache_salt=salt or ""), full_chunks_only=False)  # 4 whole + the partial
             decode_keys = request_keys(layout, q + out_q, KeyScope(cache_salt=salt or ""))[:5]  # whole chunks of prompt + output
             assert len(prompt_keys) == 5 and prompt_keys[:4] == decode_keys[:4]
-            assert {k.hex() for k in prompt_keys + decode_keys} <= stored
-        assert len(stored) == 2 * 6  # exactly those, for both namespaces
+            assert _part_keys(a, [k.hex() for k in prompt_keys + decode_keys]) <= stored
+        assert len(stored) == 2 * 6 * 2  # exactly those, for both namespaces, 2 parts each
         follow_up = q + out_q  # 1300 tokens: chunks 0-4 in the cluster
         b = _run(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
             {"tokens": q}, {"tokens": follow_up}, {"tokens": follow_up, "salt": "ref-b"}]})
@@ -185,7 +191,7 @@ def test_unfull_chunk_and_decode_cache_are_saved_and_loaded(etcd_server, model, 
 
 
 def _corrupt(cluster: LocalCluster, client: ClusterClient, key_hex: str) -> None:
-    """Flip a stored byte of a chunk on its owner (the node's --fault-injection endpoint)."""
+    """Flip a stored byte of a chunk part on its owner (the node's --fault-injection endpoint)."""
     import urllib.request
 
     owner = client.owners(bytes.fromhex(key_hex))[0]
@@ -203,7 +209,8 @@ def test_corrupt_chunk_is_recomputed_in_both_modes(etcd_server, model, prompts, 
                       node_args=["--fault-injection"]) as cluster:
         conn = {"etcd": cluster.etcd, "cluster": cluster.cluster}
         a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
-        bad = [a["keys"][0][2], a["keys"][1][3]]  # p1's chunk 2, p2's chunk 3 (not shared)
+        # A part of p1's chunk 2 and of p2's chunk 3 (not shared).
+        bad = [ChunkPart(*a["parts"][0]).key(bytes.fromhex(k)).hex() for k in (a["keys"][0][2], a["keys"][1][3])]
         with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
             for key in bad:
                 _corrupt(cluster, client, key)

@@ -25,10 +25,11 @@ def model(tmp_path_factory):
 
 
 def _prompt(layout, client: ClusterClient, rng, victim: str, owned: bool) -> list[int]:
-    """1100 random tokens whose first chunk ``victim`` owns (``owned``) or none of whose chunks it owns."""
-    for _ in range(1000):
+    """1100 random tokens the first part of whose first chunk ``victim`` owns (``owned``), or none of
+    whose chunks' parts it owns."""
+    for _ in range(2000):
         tokens = rng.integers(10, 2000, size=1100).tolist()
-        owners = [client.owners(k)[0] for k in request_keys(layout, tokens)]
+        owners = [client.owners(k)[0] for k in layout.parts().keys(request_keys(layout, tokens))]
         if (owners[0] == victim) if owned else (victim not in owners):
             return tokens
     raise AssertionError("no prompt with that placement")
