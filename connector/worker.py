@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +46,15 @@ from .stats import Counters
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class _PartLoad(NamedTuple):
+    """Where one part of a load goes."""
+
+    req: ReqMeta
+    chunk: int  # index of its chunk in the request's load
+    head: int  # index of its head in this worker's cache
+    job_chunk: int  # its chunk's number in the job (slot runs are per chunk)
 
 
 class _LoadJob:
@@ -65,19 +75,19 @@ class _LoadJob:
         self.seconds = 0.0  # until the last layer was
         self.nbytes = 0
         # One flat list of part keys over all requests: each chunk's parts of this worker's
-        # heads in turn; owner[i] = (request, chunk index in its load, head index in the cache).
+        # heads in turn, and where each goes.
         heads = range(len(worker.shard.heads))
         parts = [worker.shard.part(j) for j in heads]
         self.keys: list[bytes] = []
-        self.owner: list[tuple[ReqMeta, int, int]] = []
+        self.owner: list[_PartLoad] = []
         self.chunks = 0
-        self._runs: dict[tuple[int, int], list] = {}  # (request, chunk) -> slot runs (the same for every layer)
+        self._runs: dict[int, list] = {}  # job chunk -> its slot runs (the same for every head and layer)
         for req in requests:
             for k, key in enumerate(req.load.keys):
-                self.chunks += 1
                 for j in heads:
                     self.keys.append(parts[j].key(key))
-                    self.owner.append((req, k, j))
+                    self.owner.append(_PartLoad(req, k, j, self.chunks))
+                self.chunks += 1
 
     def run(self) -> None:
         w = self.worker
@@ -137,7 +147,7 @@ class _LoadJob:
                                      load_seconds=time.perf_counter() - self.started)
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
-        req, k, _ = self.owner[i]
+        req, k = self.owner[i].req, self.owner[i].chunk
         chunk = self.worker.chunk
         first = req.load.start + k * chunk
         lo, hi = max(first, req.load.write_from), min(first + chunk, req.load.end)
@@ -148,12 +158,12 @@ class _LoadJob:
         req, first, lo, hi = self._tokens(i)
         if hi <= lo:
             return
-        req_k = (id(req), self.owner[i][1])
-        runs = self._runs.get(req_k)
+        part = self.owner[i]
+        runs = self._runs.get(part.job_chunk)
         if runs is None:
-            runs = self._runs[req_k] = slot_runs(req.slot_mapping[lo:hi], w.block_size)
+            runs = self._runs[part.job_chunk] = slot_runs(req.slot_mapping[lo:hi], w.block_size)
         # Straight from the (read-only) socket frame into the paged cache, at the part's head.
-        w.copies.load(w.head_views[layer][self.owner[i][2]], runs, view, lo - first)
+        w.copies.load(w.head_views[layer][part.head], runs, view, lo - first)
 
     def _fail(self, i: int) -> int:
         """Fail the blocks chunk ``i`` was to write; how many new failed blocks."""

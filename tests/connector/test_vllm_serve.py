@@ -50,11 +50,12 @@ def _stored_keys(etcd: str, cluster: str) -> set[bytes]:
 
 
 def _wait_stored(etcd: str, cluster: str, count: int, server: VLLMServer, timeout: float = 20.0) -> None:
-    """Saves run in the background after the forward: wait until the cluster holds ``count`` chunks."""
+    """Saves run in the background after the forward: wait until the cluster holds ``count`` chunk
+    parts (one per KV head)."""
     deadline = time.monotonic() + timeout
     while (n := len(_stored_keys(etcd, cluster))) < count and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert n == count, f"the cluster holds {n} chunks, expected {count}\n{server.log_tail()}"
+    assert n == count, f"the cluster holds {n} chunk parts, expected {count}\n{server.log_tail()}"
 
 
 def test_second_server_loads_what_the_first_computed(cluster_factory, model):
@@ -74,9 +75,9 @@ def test_second_server_loads_what_the_first_computed(cluster_factory, model):
         a.wait_ready()
         b.wait_ready()
 
-        # A computes both prompts; each is saved (its whole chunks) before the next is sent.
+        # A computes both prompts; each is saved (its whole chunks, 2 KV heads each) before the next is sent.
         out_a = []
-        for prompt, stored in zip(prompts, (4, 6)):
+        for prompt, stored in zip(prompts, (4 * 2, 6 * 2)):
             out_a.append(a.complete(prompt))
             _wait_stored(cluster.etcd, cluster.cluster, stored, a)
         assert all(len(o["tokens"]) == 8 for o in out_a), out_a
