@@ -19,7 +19,6 @@ from .parts import ChunkParts, RankShard
 def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "") -> KVLayout:
     """The KV-compatibility namespace of this vLLM instance (the same for every TP size)."""
     model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
     hf = getattr(model, "hf_config", None)
     identity = (hf.to_json_string() if hf is not None else model.model) + f"\nrevision={model.revision}"
     fingerprint = hashlib.blake2b(identity.encode(), digest_size=16).hexdigest()
@@ -110,5 +109,5 @@ def check_parallel(vllm_config) -> None:
                          "spreads a chunk's tokens over ranks and kvring stores a chunk's tokens together. Serve "
                          "it with --decode-context-parallel-size 1 --prefill-context-parallel-size 1 (tensor and "
                          "pipeline parallelism are served).")
-    layout_heads = _total_kv_heads(vllm_config.model_config)
-    RankShard.of_rank(layout_heads, parallel.tensor_parallel_size, 0, (0, 0))  # raises for a split vLLM would not make
+    # Raises for a split of the KV heads vLLM itself would not make.
+    RankShard.of_rank(_total_kv_heads(vllm_config.model_config), parallel.tensor_parallel_size, 0, (0, 0))

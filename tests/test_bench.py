@@ -247,14 +247,16 @@ def test_bench_e2e_tp_sums_its_workers_loads_and_shows_both_tp_sizes(tmp_path):
     stats.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert _loads(stats) == [{"bytes": 200, "parts": 16, "seconds": 0.3, "workers": 2, "failed_blocks": 2},
                              {"bytes": 100, "parts": 8, "seconds": 0.1, "workers": 2, "failed_blocks": 0}]
-    entry = {"ttft": 0.05, "recompute_ttft": 0.5, "loaded_tokens": 896, "identical": True,
-             "load": _loads(stats)[0], "plain_tcp_seconds": 0.001, "plain_tcp_bytes": 100}
-    results = {"tp": 2, "model": {"layers": 6, "hidden": 1024, "kv_heads": 4},
+    spread = {"median": 0.05, "min": 0.04, "max": 0.07}
+    entry = {"recompute_ttft": 0.5, "loaded_tokens": 896, "identical": True, "ttft": spread,
+             "gbps": {"median": 0.67, "min": 0.5, "max": 0.7}, "plain_tcp_gbps": {"median": 2, "min": 1, "max": 3}}
+    results = {"tp": 2, "model": {"layers": 6, "hidden": 1024, "kv_heads": 4, "dtype": "float32"},
                "rows": [{"tokens": 1024, "stored_bytes": {"1": 12 << 20, "2": 12 << 20}, "1": dict(entry),
                          "2": dict(entry)}]}
     console = Console(record=True, width=300)
     console.print(tp_table(results))
     text = console.export_text()
     assert "stored by TP 2" in text and text.count("12.0 MiB") == 4 and text.count("896") == 2
+    assert text.count("0.050 (0.040-0.070) s") == 2 and text.count("0.67 (0.50-0.70)") == 2 and "10.0x" in text
     tp_plot(results, tmp_path / "tp.png")
     assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,25 +1,31 @@
 """`kvring bench e2e --tp N`: the same prompts under tensor parallelism N against TP 1.
 
 One local 3-node cluster, three vLLM instances (each its own process; the TP N ones with N
-workers, one CPU each) on the e2e bench's random Llama (4 KV heads, so TP 2 and 4 split them):
+workers, one CPU each) on the e2e bench's random Llama (4 KV heads, so TP 2 and 4 split them),
+run in float32 by default: on CPUs without AVX-512 (BF16) vLLM's CPU build computes bfloat16
+some 20-100x slower than float32 (this project's AVX2 machine: a bfloat16 matmul at 0.9 GFLOP/s
+against 89 for float32), which would bury the load in the recompute it replaces.
 
 - ``store TP N``: computes each prompt once; each rank saves the parts of its KV heads;
 - ``TP 1`` and ``TP N``: load every prompt from what TP N stored (layerwise; vLLM's own prefix
-  caching off), then recompute it under a ``cache_salt`` of their own in the same engine: the
-  baseline each speed-up is against, and a second copy of the prompt's chunks, stored by that
-  TP size.
+  caching off), ``repetitions`` times over, then recompute it under a ``cache_salt`` of their own
+  in the same engine: the baseline each speed-up is against, and a second copy of the prompt's
+  chunks, stored by that TP size.
 
 Per prompt it reports the bytes the cluster holds for it as stored by TP 1 and by TP N (equal:
 each KV head is stored once, whatever the TP size), and for each TP size the time to first
 token loaded and recomputed, the tokens loaded, whether the output equals the recompute's, and
 the load bandwidth: bytes loaded by all workers of the instance over the slowest worker's load
 time (the workers load their own heads in parallel), next to a plain TCP socket moving one
-worker's bytes in the same part sizes over loopback in the same run.
+worker's bytes in the same part sizes over loopback in the same run, measured once per
+repetition.  Loaded figures are medians over the repetitions, with their range.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,8 +70,8 @@ def _stored_bytes(client: ClusterClient, out: dict, item: int) -> int:
 
 
 def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int = 6, hidden: int = 1024,
-                     intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None,
-                     plot: Path | None = None) -> dict:
+                     intermediate: int = 11008, memory: int = 2 << 30, dtype: str = "float32",
+                     repetitions: int = 3, json_out: Path | None = None, plot: Path | None = None) -> dict:
     from kvring.engine.run import run_instance, write_tiny_llama
 
     console = Console(width=None if Console().is_terminal else 200)
@@ -85,20 +91,21 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
         stored: dict[str, list[int]] = {}
         with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e-tp") as cluster:
             bar.advance(task)
-            base = {"model": model, "max_tokens": 1, "max_model_len": max(8192, max(sizes) + 64)}
+            base = {"model": model, "dtype": dtype, "max_tokens": 1, "max_model_len": max(8192, max(sizes) + 64)}
             for i, (name, size) in enumerate(names.items()):
                 bar.update(task, description=f"vLLM instance '{name}' ({size} worker{'s' if size > 1 else ''})")
                 stats_path = tmp / f"i{i}.loads.jsonl"
                 conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "stats_path": str(stats_path)}
-                items = [_warmup(f"i{i}"), *({"tokens": p} for p in prompts)]
+                items = [_warmup(f"i{i}"), *({"tokens": p} for _ in range(repetitions if i else 1) for p in prompts)]
                 if i:
                     items += [{"tokens": p, "salt": f"recompute-{i}-{j}"} for j, p in enumerate(prompts)]
                 runs[name] = run_instance(tmp, f"i{i}", {**base, "tensor_parallel_size": size, "connector": conn,
                                                          "prompts": items})
                 loads[name] = _loads(stats_path)
                 bar.advance(task)
+            recomputed = 1 + repetitions * n  # the first recompute's item in a loading instance's run
             with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
-                stored = {t: [_stored_bytes(client, runs[name], 1 + n + j) for j in range(n)]
+                stored = {t: [_stored_bytes(client, runs[name], recomputed + j) for j in range(n)]
                           for name, t in (("TP 1", 1), (f"TP {tp}", tp))}
                 stored_first = [_stored_bytes(client, runs[f"store TP {tp}"], 1 + j) for j in range(n)]
         bar.update(task, description="plain TCP, one worker's bytes in the same part sizes")
@@ -108,43 +115,59 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
                    "stored_bytes_first": stored_first[j]}
             for name, t in (("TP 1", 1), (f"TP {tp}", tp)):
                 res = runs[name]["results"]
-                loaded, recompute = res[1 + j], res[1 + n + j]
-                load = loads[name][j] if j < len(loads[name]) else None
-                entry = {"ttft": loaded["ttft"], "recompute_ttft": recompute["ttft"], "loaded_tokens": loaded["cached"],
-                         "identical": loaded["tokens"] == recompute["tokens"], "load": load}
-                if load and load["parts"]:
-                    per_worker = load["bytes"] // load["workers"]
-                    part = load["bytes"] // load["parts"]
-                    entry["plain_tcp_seconds"] = _baseline_seconds(PlainTcp, part, max(1, per_worker // part), layers)
-                    entry["plain_tcp_bytes"] = part * max(1, per_worker // part)
-                row[str(t)] = entry
+                recompute = res[recomputed + j]
+                reps = []
+                for r in range(repetitions):
+                    loaded = res[1 + r * n + j]
+                    load = loads[name][r * n + j] if r * n + j < len(loads[name]) else None
+                    rep = {"ttft": loaded["ttft"], "loaded_tokens": loaded["cached"],
+                           "identical": loaded["tokens"] == recompute["tokens"], "load": load,
+                           "gbps": _gbps(load and load["bytes"], load and load["seconds"])}
+                    if load and load["parts"]:
+                        part = load["bytes"] // load["parts"]
+                        parts = max(1, load["bytes"] // load["workers"] // part)
+                        rep["plain_tcp_gbps"] = _gbps(part * parts, _baseline_seconds(PlainTcp, part, parts, layers,
+                                                                                      repeats=1))
+                    reps.append(rep)
+                row[str(t)] = {"recompute_ttft": recompute["ttft"], "repetitions": reps,
+                               "loaded_tokens": reps[0]["loaded_tokens"],
+                               "identical": all(x["identical"] for x in reps),
+                               **{key: _summary([x.get(key, math.nan) for x in reps])
+                                  for key in ("ttft", "gbps", "plain_tcp_gbps")}}
             rows.append(row)
         bar.advance(task)
     results = {"tp": tp, "model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": HEADS,
-                                   "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}, "rows": rows}
+                                   "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": dtype}, "rows": rows}
     console.print(_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results
 
 
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _spread(s: dict[str, float], fmt: str) -> str:
+    return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
 def _table(results: dict) -> Table:
     m, tp = results["model"], results["tp"]
     table = Table(title=f"kvring bench e2e --tp {tp}: {m['layers']}-layer hidden-{m['hidden']} Llama "
-                        f"({m['kv_heads']} KV heads) on CPU, 3 nodes, chunks stored by TP {tp}")
+                        f"({m['kv_heads']} KV heads, {m.get('dtype', 'float32')}) on CPU, 3 nodes, chunks stored "
+                        f"by TP {tp}")
     for col in ("tokens", "stored by TP 1", f"stored by TP {tp}", "TP", "loaded", "B TTFT", "recompute TTFT",
                 "speed-up", "load GB/s", "plain TCP GB/s (1 worker)", "B = recompute"):
         table.add_column(col, justify="right")
     for r in results["rows"]:
         for t in ("1", str(tp)):
             x = r[t]
-            load = x["load"] or {}
             table.add_row(str(r["tokens"]), f"{r['stored_bytes']['1'] / 2**20:.1f} MiB",
                           f"{r['stored_bytes'][str(tp)] / 2**20:.1f} MiB", t, str(x["loaded_tokens"]),
-                          f"{x['ttft']:.3f} s", f"{x['recompute_ttft']:.3f} s",
-                          f"{x['recompute_ttft'] / x['ttft']:.1f}x",
-                          f"{_gbps(load.get('bytes'), load.get('seconds')):.2f}",
-                          f"{_gbps(x.get('plain_tcp_bytes'), x.get('plain_tcp_seconds')):.2f}",
-                          "yes" if x["identical"] else "NO")
+                          _spread(x["ttft"], ".3f") + " s", f"{x['recompute_ttft']:.3f} s",
+                          f"{x['recompute_ttft'] / x['ttft']['median']:.1f}x", _spread(x["gbps"], ".2f"),
+                          _spread(x["plain_tcp_gbps"], ".2f"), "yes" if x["identical"] else "NO")
+    table.caption = "loaded figures: median (min-max) of the repetitions"
     return table
 
 
@@ -152,7 +175,7 @@ def _plot(results: dict, path: Path) -> None:
     rows, tp = results["rows"], str(results["tp"])
     grouped_bars(path, [f"{r['tokens']} tokens" for r in rows],
                  {"TP 1 recompute": [r["1"]["recompute_ttft"] for r in rows],
-                  "TP 1 loaded": [r["1"]["ttft"] for r in rows],
+                  "TP 1 loaded": [r["1"]["ttft"]["median"] for r in rows],
                   f"TP {tp} recompute": [r[tp]["recompute_ttft"] for r in rows],
-                  f"TP {tp} loaded": [r[tp]["ttft"] for r in rows]},
+                  f"TP {tp} loaded": [r[tp]["ttft"]["median"] for r in rows]},
                  "time to first token (s, log)", f"vLLM (CPU): TP 1 vs TP {tp}, chunks stored by TP {tp}", log=True)
