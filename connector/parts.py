@@ -26,8 +26,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_COORDS = struct.Struct(">HHH")  # head, first layer, end layer
-PART_KEY_SUFFIX_BYTES = _COORDS.size
+_COORDS = struct.Struct(">HHH")  # head, first layer, end layer: the 6 bytes after a part's chunk key
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +39,6 @@ class ChunkPart:
 
     def key(self, chunk_key: bytes) -> bytes:
         return chunk_key + _COORDS.pack(self.head, self.first_layer, self.end_layer)
-
-    @property
-    def layers(self) -> int:
-        return self.end_layer - self.first_layer
 
     @property
     def announces(self) -> bool:
