@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from rich.table import Table
 
 from kvring.bench.dataplane import PlainTcp
 from kvring.bench.e2e import _baseline_seconds, _gbps, _prompts, _warmup
-from kvring.bench.report import grouped_bars, write_outputs
+from kvring.bench.report import grouped_bars, spread, summary, write_outputs
 from kvring.cachenode.client import ClusterClient
 from kvring.connector.parts import ChunkPart
 from kvring.local.cluster import LocalCluster
@@ -132,7 +131,7 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
                 row[str(t)] = {"recompute_ttft": recompute["ttft"], "repetitions": reps,
                                "loaded_tokens": reps[0]["loaded_tokens"],
                                "identical": all(x["identical"] for x in reps),
-                               **{key: _summary([x.get(key, math.nan) for x in reps])
+                               **{key: summary([x.get(key, math.nan) for x in reps])
                                   for key in ("ttft", "gbps", "plain_tcp_gbps")}}
             rows.append(row)
         bar.advance(task)
@@ -141,14 +140,6 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
     console.print(_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _spread(s: dict[str, float], fmt: str) -> str:
-    return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
 
 def _table(results: dict) -> Table:
@@ -164,9 +155,9 @@ def _table(results: dict) -> Table:
             x = r[t]
             table.add_row(str(r["tokens"]), f"{r['stored_bytes']['1'] / 2**20:.1f} MiB",
                           f"{r['stored_bytes'][str(tp)] / 2**20:.1f} MiB", t, str(x["loaded_tokens"]),
-                          _spread(x["ttft"], ".3f") + " s", f"{x['recompute_ttft']:.3f} s",
-                          f"{x['recompute_ttft'] / x['ttft']['median']:.1f}x", _spread(x["gbps"], ".2f"),
-                          _spread(x["plain_tcp_gbps"], ".2f"), "yes" if x["identical"] else "NO")
+                          spread(x["ttft"], ".3f") + " s", f"{x['recompute_ttft']:.3f} s",
+                          f"{x['recompute_ttft'] / x['ttft']['median']:.1f}x", spread(x["gbps"], ".2f"),
+                          spread(x["plain_tcp_gbps"], ".2f"), "yes" if x["identical"] else "NO")
     table.caption = "loaded figures: median (min-max) of the repetitions"
     return table
 

@@ -31,7 +31,6 @@ binding instead.  A ``VLLM_CPU_OMP_THREADS_BIND`` already set in the environment
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvring.bench.report import grouped_bars, write_outputs
+from kvring.bench.report import grouped_bars, spread, summary, write_outputs
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
 
@@ -191,9 +190,6 @@ def _results(s: MissSettings, outs: list[dict], elapsed: float, bind: str | None
         rep["throughput_ratio"] = kv["tokens_per_s"] / rep["no connector"]["tokens_per_s"]
         reps.append(rep)
 
-    def summary(values: list[float]) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
     summ = {name: {"tokens_per_s": summary([r[name]["tokens_per_s"] for r in reps]),
                    "seconds": summary([r[name]["seconds"] for r in reps])} for name in ENGINES}
     kv = summ["kvring"]
@@ -229,20 +225,16 @@ def _notes(results: dict) -> list[str]:
                      "scheduler when a KV connector is configured, so the engines may compute with different "
                      "numbers of threads (on 2 cores: 1 without a connector, 2 with one) and the throughput "
                      "ratio then measures that, not kvring.")
-    spread = f"{ratio['min']:.3f}-{ratio['max']:.3f}"
+    ratio_range = f"{ratio['min']:.3f}-{ratio['max']:.3f}"
     if ratio["min"] > 1:
-        notes.append(f"kvring was faster in every repetition (ratio {spread}): a connector cannot make a miss "
+        notes.append(f"kvring was faster in every repetition (ratio {ratio_range}): a connector cannot make a miss "
                      "cheaper, so this is the engines' difference (or noise), not kvring's gain; the hook share "
                      "measures the connector's scheduler-side cost directly.")
     elif ratio["max"] < 1:
-        notes.append(f"kvring was slower in every repetition (ratio {spread}).")
+        notes.append(f"kvring was slower in every repetition (ratio {ratio_range}).")
     else:
-        notes.append(f"The throughput ratio's spread ({spread}) includes 1: no difference measurable here.")
+        notes.append(f"The throughput ratio's spread ({ratio_range}) includes 1: no difference measurable here.")
     return notes
-
-
-def _spread(d: dict, fmt: str) -> str:
-    return f"{d['median']:{fmt}} ({d['min']:{fmt}}-{d['max']:{fmt}})"
 
 
 def _table(results: dict) -> Table:
@@ -254,13 +246,13 @@ def _table(results: dict) -> Table:
                 "past deadline", "saved"):
         table.add_column(col, justify="right", overflow="fold")
     plain, kv = summ["no connector"], summ["kvring"]
-    table.add_row("no connector", _spread(plain["tokens_per_s"], ",.0f"), _spread(plain["seconds"], ".2f"),
+    table.add_row("no connector", spread(plain["tokens_per_s"], ",.0f"), spread(plain["seconds"], ".2f"),
                   "", "", "", "", "", "")
     saved = {k: v / 2**20 for k, v in kv["saved_bytes"].items()}
-    table.add_row("kvring", _spread(kv["tokens_per_s"], ",.0f"), _spread(kv["seconds"], ".2f"),
-                  _spread(summ["throughput_ratio"], ".3f"), _spread(kv["hook_seconds"], ".3f"),
-                  _spread({k: 100 * v for k, v in kv["hook_share"].items()}, ".2f") + " %",
-                  _spread(kv["lookups"], ".0f"), _spread(kv["lookups_past_deadline"], ".0f"),
+    table.add_row("kvring", spread(kv["tokens_per_s"], ",.0f"), spread(kv["seconds"], ".2f"),
+                  spread(summ["throughput_ratio"], ".3f"), spread(kv["hook_seconds"], ".3f"),
+                  spread({k: 100 * v for k, v in kv["hook_share"].items()}, ".2f") + " %",
+                  spread(kv["lookups"], ".0f"), spread(kv["lookups_past_deadline"], ".0f"),
                   f"{saved['median']:,.0f} MiB")
     return table
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,3 +65,13 @@ def machine() -> str:
     except (ValueError, OSError):
         memory = 0.0
     return f"{model}, {os.cpu_count()} cores, {memory:.0f} GiB"
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median, min and max of repeated measurements (what a table shows as ``spread``)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def spread(s: dict[str, float], fmt: str) -> str:
+    """A ``summary`` as "median (min-max)", each in format ``fmt``."""
+    return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
