@@ -7,6 +7,8 @@ same with vLLM's real engines in processes of their own is in test_vllm_parallel
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -49,10 +51,11 @@ class Instance:
     """The workers of one vLLM instance (all its TP ranks of all its PP stages), over one model."""
 
     def __init__(self, cluster, model: list[torch.Tensor], heads: int, tp: int = 1,
-                 stages: tuple[tuple[int, int], ...] | None = None) -> None:
+                 stages: tuple[tuple[int, int], ...] | None = None, mode: str = "layerwise") -> None:
         stages = stages or ((0, len(model)),)
+        self.mode = mode
         self.client = ClusterClient(cluster.etcd, cluster=cluster.cluster)
-        config = ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, timeout=2.0)
+        config = ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, timeout=2.0, load_mode=mode)
         self.workers = []
         for shard in _shards(heads, tp, stages):
             w = WorkerSide(config, self.client, CHUNK, BLOCK, shard)
@@ -72,10 +75,17 @@ class Instance:
     def load(self, keys: list[bytes]) -> set[int]:
         """Load ``keys`` into DST_BLOCKS (up to the last token) on every worker; the failed blocks."""
         failed = set()
-        load = LoadSpec(keys, start=0, write_from=0, end=len(keys) * CHUNK - 1)
+        asynchronous = self.mode == "async"
+        load = LoadSpec(keys, start=0, write_from=0, end=len(keys) * CHUNK - 1, asynchronous=asynchronous,
+                        deadline_s=5.0 if asynchronous else 0.0)
         for w in self.workers:
             w.start_load_kv(KVRingMetadata([ReqMeta("l", _slots(DST_BLOCKS, len(keys) * CHUNK), DST_BLOCKS,
                                                     load=load)]))
+            if asynchronous:  # vLLM asks every step until each worker reports the request done
+                deadline = time.monotonic() + 10
+                while "l" not in (w.get_finished(set())[1] or ()):
+                    assert time.monotonic() < deadline, "the async load was never reported done"
+                    time.sleep(0.01)
             for name in w.layer_names:
                 w.wait_for_layer_load(name)
             failed |= w.get_block_ids_with_load_errors()
@@ -133,6 +143,24 @@ def test_what_one_tp_size_stores_every_tp_size_loads(cluster, saver_tp, loader_t
     finally:
         saver.close()
         loader.close()
+
+
+@pytest.mark.parametrize("mode", ["bulk", "async"])
+def test_every_load_mode_loads_another_tp_sizes_parts(cluster, mode):
+    """TP 2 stores; TP 1 and TP 4 load in bulk (before the forward) and async (between steps)."""
+    heads, layers = 4, 2
+    model = _model(heads, layers, seed=31)
+    keys = [bytes([31, len(mode), i]) * 5 + b"m" for i in range(4)]
+    saver = Instance(cluster, model, heads, tp=2)
+    loaders = [Instance(cluster, _model(heads, layers, seed=32 + tp), heads, tp=tp, mode=mode) for tp in (1, 4)]
+    try:
+        saver.save(keys)
+        for loader in loaders:
+            assert loader.load(keys) == set()
+            _loaded_right(model, loader.view(), 4)
+    finally:
+        for inst in (saver, *loaders):
+            inst.close()
 
 
 def test_replicated_heads_are_stored_once_and_load_on_every_rank(cluster):
