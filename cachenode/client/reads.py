@@ -140,9 +140,9 @@ class Reads:
         again: list[int] = []  # keys to ask of their next owner
         with Exchange(self.links, self.timeout) as ex:
             for node_id, local in groups.items():
-                idx = [todo[j] for j in local]
-                msg = P.Lookup(rid=next_rid(), epoch=ring.epoch, keys=[keys[i] for i in idx], lease_ms=lease_ms)
-                asked[ex.request(node_id, msg)] = idx
+                for idx in _requests_of([todo[j] for j in local]):
+                    msg = P.Lookup(rid=next_rid(), epoch=ring.epoch, keys=[keys[i] for i in idx], lease_ms=lease_ms)
+                    asked[ex.request(node_id, msg)] = idx
             for event in ex.events():
                 if isinstance(event, Failure):
                     self.marks.failed(event.node_id, event.error)
@@ -241,12 +241,13 @@ class Reads:
         """One GET per node for its batch; yields the layers that pass their checksums."""
         asked: dict[int, tuple[str, list[KeyRead]]] = {}
         with Exchange(self.links, self.timeout) as ex:
-            for node_id, batch in batches.items():
-                msg = P.Get(rid=next_rid(), epoch=epoch, keys=[r.key for r in batch], layer_start=start,
-                            layer_end=end, stream=stream)
-                asked[ex.request(node_id, msg, streamed=True)] = (node_id, batch)
-                for r in batch:
-                    r.tried.add(node_id)
+            for node_id, keys in batches.items():
+                for batch in _requests_of(keys):
+                    msg = P.Get(rid=next_rid(), epoch=epoch, keys=[r.key for r in batch], layer_start=start,
+                                layer_end=end, stream=stream)
+                    asked[ex.request(node_id, msg, streamed=True)] = (node_id, batch)
+                    for r in batch:
+                        r.tried.add(node_id)
             for event in ex.events():
                 if isinstance(event, Failure):
                     self.marks.failed(event.node_id, event.error)
@@ -350,3 +351,10 @@ class Reads:
                     off = (batch.layer - start) * meta.layer_bytes
                     chunk.data[off:off + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
         return [c if found[i] is not None else None for i, c in enumerate(out)]
+
+
+def _requests_of(items: list) -> list[list]:
+    """``items`` for one node, cut into requests of at most ``MAX_KEYS_PER_REQUEST`` keys (a long
+    prompt's parts, one per KV head and stage, can pass it on a small cluster)."""
+    step = P.MAX_KEYS_PER_REQUEST
+    return [items[i:i + step] for i in range(0, len(items), step)]

@@ -294,3 +294,35 @@ def test_a_chunk_missing_on_its_primary_is_found_and_read_on_its_replica(cluster
         client.delete(keys[:3])  # on no owner now: a miss
         assert client.lookup(keys[:4]) == [False, False, False, True]
         assert client.get(keys[:4])[:3] == [None] * 3
+
+
+def test_lookups_and_reads_of_more_keys_than_one_request_holds_are_split(cluster_factory, monkeypatch):
+    """A long prompt's parts can outnumber what one request may name on a small cluster: the
+    client cuts a node's share into several requests.  The limit is lowered in this (client)
+    process to 7 keys, so 20 keys on one node take 3 LOOKUPs and 3 GETs; the node's own limit is
+    untouched."""
+    from kvring.common import protocol as P
+
+    cluster = cluster_factory(nodes=1, memory=16 << 20)
+    keys = [os.urandom(16) for _ in range(20)]
+    data = [np.random.default_rng(i).integers(0, 255, size=2 * 64, dtype=np.uint8) for i in range(20)]
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert all(client.put_many([ChunkItem.of(k, d, [2, 64], "uint8", 64) for k, d in zip(keys, data)]))
+        monkeypatch.setattr(P, "MAX_KEYS_PER_REQUEST", 7)
+        sent: dict[str, list[int]] = {"lookup": [], "get": []}
+        for op, cls in (("lookup", P.Lookup), ("get", P.Get)):
+            def spy(*args, _cls=cls, _op=op, **kw):
+                sent[_op].append(len(kw["keys"]))
+                return _cls(*args, **kw)
+            monkeypatch.setattr(P, cls.__name__, spy)
+        absent = [os.urandom(16) for _ in range(5)]
+        assert client.lookup(keys + absent) == [True] * 20 + [False] * 5
+        got = client.get(keys)
+        assert [bytes(c.data) for c in got] == [d.tobytes() for d in data]
+        layers = {}
+        for batch in client.iter_layers(keys):
+            for i, view in zip(batch.indices, batch.views):
+                layers[(batch.layer, i)] = bytes(view)
+        assert layers == {(layer, i): data[i][layer * 64:(layer + 1) * 64].tobytes()
+                          for layer in range(2) for i in range(20)}
+    assert sorted(sent["lookup"]) == [4, 7, 7, 7] and sorted(sent["get"]) == [6, 6, 7, 7, 7, 7]
