@@ -8,8 +8,10 @@ cost model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
+import threading
 import time
 from types import SimpleNamespace
 
@@ -91,9 +93,22 @@ def test_a_lookup_answers_on_a_later_call_and_is_sent_once(cluster):
         _store(client, keys[:2])
         _store(client, keys[2:3], parts=[0])  # chunk 2: one rank's save landed, the other's did not
         request = _request("r", tokens)
+        # The first lookup's answer is held back until the first call has been made, so that call
+        # cannot have it (on a busy machine the real answer could otherwise beat it).
+        release = threading.Event()
+        real = client.lookup_async
+        holder = concurrent.futures.ThreadPoolExecutor(1)
+
+        def held(keys, lease_ms=0):
+            return holder.submit(lambda: (release.wait(10), client.lookup(keys, lease_ms))[1])
+
+        sched.client.lookup_async = held
         sched.on_new_request(request)
         # With no waiting allowed, the first call cannot have the answer yet.
         assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+        sched.client.lookup_async = real
+        release.set()
+        holder.shutdown(wait=False)
         n, _, _ = _poll(sched, request)
         assert n == 2 * CHUNK
         for _ in range(50):  # vLLM asks again while the request waits for blocks: no new lookup

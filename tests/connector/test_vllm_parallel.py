@@ -21,6 +21,11 @@ from kvring.local.cluster import LocalCluster
 CHUNK = 256
 TOKENS = 1100  # 4 whole chunks + 76 tokens
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 64  # write_tiny_llama's defaults: hidden 256, 4 heads
+# These tests are about what a load writes, so neither a slow lookup nor admission may turn a load
+# into a recompute: two workers busy-polling this machine's 2 CPUs can starve the engine core's
+# lookups past the default 250 ms deadline (a miss), and on this tiny model recomputing can be
+# predicted faster than loading.
+CONNECTOR = {"load_admission": False, "lookup_deadline_ms": 10_000}
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +52,8 @@ def runs(cluster, model, prompts, tmp_path_factory):
     a third; B2 (TP 2) loads the other and the third, then loads while a node stops and while one
     dies; P (PP 2) stores a prompt and loads it back."""
     tmp = tmp_path_factory.mktemp("parallel")
-    # Admission off: on this tiny model recomputing can be predicted faster than loading, and these
-    # tests are about what a load writes.  A node that does not answer fails its chunks after 2 s.
-    conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False, "timeout": 2.0}
+    # A node that does not answer fails its parts after 2 s.
+    conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, **CONNECTOR, "timeout": 2.0}
     base = {"model": model, "dtype": "float32", "connector": conn, "max_model_len": 2048}
     stop, die = cluster.nodes[0], cluster.nodes[1]
     out = {"A": run_instance(tmp, "A", {**base, "tensor_parallel_size": 2, "prompts": [
@@ -119,10 +123,7 @@ def test_a_node_stopped_or_killed_during_a_tp2_load_ends_in_a_recompute(runs):
 def pp_run(etcd_server, model, prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp")
     with LocalCluster(nodes=2, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-pp") as cluster:
-        # Two workers spinning on this machine's 2 CPUs leave the engine's lookups little CPU: give
-        # them time (a lookup past its deadline is a miss, and this test is about what loads).
-        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
-                "lookup_deadline_ms": 10_000}
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, **CONNECTOR}
         out = run_instance(tmp, "P", {"model": model, "dtype": "float32", "connector": conn, "max_model_len": 2048,
                                       "pipeline_parallel_size": 2, "prompts": [
                                           {"tokens": prompts["pp"], "salt": "ref"},  # 0: the recompute
