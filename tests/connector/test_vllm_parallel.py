@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from polling import wait_for
 
 from kvring.cachenode.client import ClusterClient
 from kvring.connector.parts import ChunkPart, ChunkParts
-from kvring.engine.run import run_instance, write_tiny_llama
+from kvring.engine.run import run_instance, start_instance, write_tiny_llama
 from kvring.local.cluster import LocalCluster
 
 CHUNK = 256
@@ -122,15 +123,27 @@ def test_a_node_stopped_or_killed_during_a_tp2_load_ends_in_a_recompute(runs):
 @pytest.fixture(scope="module")
 def pp_run(etcd_server, model, prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp")
+    computed, stored_all = tmp / "computed", tmp / "stored"
     with LocalCluster(nodes=2, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-pp") as cluster:
         conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, **CONNECTOR}
-        out = run_instance(tmp, "P", {"model": model, "dtype": "float32", "connector": conn, "max_model_len": 2048,
-                                      "pipeline_parallel_size": 2, "prompts": [
-                                          {"tokens": prompts["pp"], "salt": "ref"},  # 0: the recompute
-                                          {"tokens": prompts["pp"]},  # 1: computed, each stage saves its layer
-                                          {"tokens": prompts["pp"]}]})  # 2: each stage loads its layer
-        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
-            stored = {k for n in client.members for k in client.list_keys(n)}
+        instance = start_instance(tmp, "P", {
+            "model": model, "dtype": "float32", "connector": conn, "max_model_len": 2048, "pipeline_parallel_size": 2,
+            "prompts": [{"tokens": prompts["pp"], "salt": "ref"},  # 0: the recompute
+                        {"tokens": prompts["pp"]},  # 1: computed, each stage saves its layer
+                        {"touch": str(computed)}, {"wait_for": str(stored_all), "timeout": 120},
+                        {"tokens": prompts["pp"]}]})  # 2: each stage loads its layer
+        try:
+            with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+                # Saves finish in the background, each stage's on its own: wait until the cluster
+                # holds every part of both computed prompts (2 x 4 chunks x 2 heads x 2 stages).
+                instance.wait_file(computed, timeout=600)
+                wait_for(lambda: len({k for n in client.members for k in client.list_keys(n)}) >= 32, 30,
+                         "every stage's parts stored")
+                stored_all.touch()
+                out = instance.result(timeout=600)
+                stored = {k for n in client.members for k in client.list_keys(n)}
+        finally:
+            instance.stop()
     return out, stored
 
 
