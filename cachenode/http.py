@@ -1,14 +1,21 @@
 """A node's admin HTTP port: health, metrics, stats, drain, and the admin API's key queries.
 
+Open to anyone who reaches the port (read-only probes, no prompt data):
+
 - ``GET /healthz`` (the process is up), ``GET /readyz`` (serving: registered once, not
   leaving the ring and its data plane answering its own check; 503 while draining or
   unhealthy, not while etcd is away), ``GET /metrics``
-  (Prometheus), ``GET /stats`` (JSON), ``GET /drain``;
-- ``POST /drain`` and ``DELETE /drain``: start or withdraw a drain, from loopback only (the
+  (Prometheus), ``GET /stats`` (JSON), ``GET /drain``.
+
+Guarded by the cluster's node token (``Authorization: Bearer <token>``, from every address,
+loopback included; see "Node token" below):
+
+- ``POST /drain`` and ``DELETE /drain``: start or withdraw a drain, from loopback only too (the
   pod's preStop hook; from elsewhere, drain through etcd, which the admin API guards);
 - ``POST /v1/present`` ``{"keys": [hex, ...]}`` -> ``{"present": [bool, ...]}`` (no lease) and
   ``POST /v1/flush`` ``{"namespace": ...}`` -> ``{"deleted": n}``: what the admin API asks
-  each node, so it never needs the data protocol's client;
+  each node, so it never needs the data protocol's client.  ``present`` changes nothing but
+  tells which prompt prefixes are cached (a side channel on other users' prompts);
 - ``POST /debug/corrupt?key=HEX``: with ``--fault-injection`` only, from loopback only: flip a
   byte of a stored chunk, so tests can show a corrupt chunk is never loaded;
   ``POST /debug/stall?seconds=S`` (same conditions): block the data loop that long, as a hung
@@ -16,12 +23,20 @@
   (same conditions): the node sends itself that signal when the next GET arrives, before
   answering it, so a test can hang or kill it in the middle of a load.
 
+Node token: one per cluster, an internal service credential that only the nodes, their preStop
+hook, the admin API and local tools hold (not the admin API's user-facing token).  A node reads
+it once at start (``NodeConfig.node_token``: ``--node-token-file`` or ``KVRING_NODE_TOKEN``).
+Without one configured the guarded endpoints answer 403 saying how to configure it (never open
+by default); a request without the token or with another one gets 401 and changes nothing.
+Tokens are compared in constant time.  Every refusal is one line of JSON ``{"error": ...}``.
+
 Threading contract: ``ThreadingHTTPServer`` answers on threads of its own; everything that
 touches the store runs on the node's I/O thread through ``Server.call``.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 import logging
@@ -41,6 +56,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_BODY = 4 << 20
+# What a request to these paths must carry the node token for (every /debug/ path too).
+GUARDED = frozenset({"/v1/present", "/v1/flush", "/drain"})
 
 
 def make_http_server(node: CacheNode, host: str, port: int) -> ThreadingHTTPServer:
@@ -50,9 +67,14 @@ def make_http_server(node: CacheNode, host: str, port: int) -> ThreadingHTTPServ
 
 
 class _BadRequest(Exception):
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.headers = headers or {}
+
+
+def _guarded(path: str) -> bool:
+    return path in GUARDED or path.startswith("/debug/")
 
 
 def _handler_class(node: CacheNode):
@@ -76,7 +98,9 @@ def _handler_class(node: CacheNode):
         def do_POST(self) -> None:  # noqa: N802
             path = self.path.split("?", 1)[0]
             try:
-                body = self._body()
+                body = self._body()  # read before any refusal: unread bytes would reset the connection
+                if _guarded(path):
+                    self._require_token(f"POST {path}")
                 if path == "/v1/present":
                     self._json(200, {"present": self._present(body)})
                 elif path == "/v1/flush":
@@ -91,16 +115,38 @@ def _handler_class(node: CacheNode):
                     node.drain.request("http")
                     self._json(202, node.drain.status())
             except _BadRequest as exc:
-                self._json(exc.code, {"error": str(exc)})
+                self._json(exc.code, {"error": str(exc)}, exc.headers)
 
         def do_DELETE(self) -> None:  # noqa: N802
+            path = self.path.split("?", 1)[0]
             try:
                 self._body()
-                if self._drain_allowed(self.path.split("?", 1)[0]):
+                if _guarded(path):
+                    self._require_token(f"DELETE {path}")
+                if self._drain_allowed(path):
                     node.drain.cancel("http")
                     self._json(200, node.drain.status())
             except _BadRequest as exc:
-                self._json(exc.code, {"error": str(exc)})
+                self._json(exc.code, {"error": str(exc)}, exc.headers)
+
+        # ---- the node token -------------------------------------------------------------
+
+        def _require_token(self, what: str) -> None:
+            """Return if the request carries the node token; else raise 403 (none configured) or 401."""
+            expected = node.config.node_token
+            if expected is None:
+                raise _BadRequest(403, f"{what} needs the cluster's node token, and this node has none configured: "
+                                       "start it with --node-token-file PATH or KVRING_NODE_TOKEN (`kvring up` and "
+                                       "the operator do), then send it as `Authorization: Bearer <token>`")
+            scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode()):
+                return
+            logger.debug("refused %s from %s: %s node token", what, self.client_address[0],
+                         "a wrong" if scheme else "no")
+            raise _BadRequest(401, f"{what} needs the cluster's node token: send `Authorization: Bearer <token>` "
+                                   "(--node-token-file or KVRING_NODE_TOKEN for kvring commands)"
+                                   + (" (the token given is not the right one)" if scheme else ""),
+                              {"WWW-Authenticate": "Bearer"})
 
         # ---- the admin API's queries ----------------------------------------------------
 
@@ -186,11 +232,13 @@ def _handler_class(node: CacheNode):
                 raise _BadRequest(413, f"request body over {MAX_BODY} bytes")
             return self.rfile.read(length) if length else b""
 
-        def _json(self, code: int, body: dict) -> None:
-            self._reply(code, json.dumps(body).encode(), "application/json")
+        def _json(self, code: int, body: dict, headers: dict[str, str] | None = None) -> None:
+            self._reply(code, json.dumps(body).encode(), "application/json", headers)
 
-        def _reply(self, code: int, body: bytes, ctype: str) -> None:
+        def _reply(self, code: int, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
             self.send_response(code)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

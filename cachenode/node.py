@@ -8,8 +8,8 @@ thread (``handoff.py``) moves chunks the node no longer owns.  SIGTERM or SIGINT
 revokes the lease (the node leaves the ring at once) and exits 0.
 
 Drain (``drain.py``): requested through etcd (``Etcd.request_drain``, whose key the node
-watches) or by ``POST /drain`` on the admin port (from loopback only: that is
-the pod's preStop hook).  The node sets its state ``draining`` (clients drop it from the ring;
+watches) or by ``POST /drain`` on the admin port (from loopback only, with the node token: that
+is the pod's preStop hook).  The node sets its state ``draining`` (clients drop it from the ring;
 it keeps serving reads for their previous-owner fallback), the handoff thread moves every chunk
 to its new owner, and the node reports ``drained``.  ``/readyz`` answers 503 from the moment
 the drain begins; ``/stats`` (and ``GET /drain``) show its progress and, while it cannot
@@ -54,6 +54,8 @@ from .store import ChunkStore
 
 logger = logging.getLogger(__name__)
 
+MIN_NODE_TOKEN_CHARS = 32
+
 
 @dataclass(frozen=True)
 class NodeConfig:
@@ -81,6 +83,9 @@ class NodeConfig:
     # show that a corrupt chunk is never loaded. Off unless --fault-injection is given.
     fault_injection: bool = False
     tls: ClusterCredentials | None = None  # the cluster's credentials: mutual TLS on the data port
+    # The cluster's node token: what the admin port's mutating and prefix-revealing endpoints
+    # (flush, present, drain, debug) require as ``Authorization: Bearer``; None: they answer 403.
+    node_token: str | None = field(default=None, repr=False)
     # KV events (vLLM's wire format) of the chunks that name their blocks; None: not published.
     events: PublisherSettings | None = None
 
@@ -103,6 +108,10 @@ class NodeConfig:
             raise ValueError("--self-check-interval must be 0 (off) or positive seconds, failures at least 1")
         if not self.drain_poll > 0:
             raise ValueError("drain_poll must be positive seconds")
+        if self.node_token is not None and (len(self.node_token) < MIN_NODE_TOKEN_CHARS or not self.node_token.isascii()
+                                            or not self.node_token.isprintable() or " " in self.node_token):
+            raise ValueError(f"the node token must be at least {MIN_NODE_TOKEN_CHARS} printable ASCII characters "
+                             "without spaces (it travels in an HTTP header); generate one with `openssl rand -hex 32`")
         make_policy(self.policy)
 
 

@@ -2,8 +2,9 @@
 
 Two ways in, same outcome (see ``cachenode/node.py``):
 
-- ``--admin URL``: ``POST /drain`` on the node's own admin port.  The node accepts it from
-  loopback only, which is what a StatefulSet preStop hook is
+- ``--admin URL``: ``POST /drain`` on the node's own admin port, with the cluster's node token
+  (``--node-token-file`` or ``KVRING_NODE_TOKEN``, which the operator sets in node pods).  The
+  node accepts it from loopback only, which is what a StatefulSet preStop hook is
   (``kvring drain --admin http://127.0.0.1:8080 --wait 120``).
 - ``--etcd ... --cluster ... --node ID``: writes the node's drain key in etcd, which the node
   polls; works from anywhere that reaches etcd (an operator, a person).
@@ -39,8 +40,9 @@ class DrainFailed(KVRingError):
     """The drain could not be requested, or did not finish in time (the message says why)."""
 
 
-def _http(method: str, url: str, timeout: float = 5.0) -> tuple[int, dict]:
-    req = urllib.request.Request(url, method=method, data=b"" if method != "GET" else None)
+def _http(method: str, url: str, timeout: float = 5.0, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(url, method=method, data=b"" if method != "GET" else None, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
@@ -88,11 +90,13 @@ def _follow(name: str, poll: Callable[[], dict], wait: float, echo: Callable[[st
         time.sleep(POLL_SECONDS)
 
 
-def drain_via_admin(url: str, wait: float, cancel: bool, echo: Callable[[str], None]) -> dict:
+def drain_via_admin(url: str, wait: float, cancel: bool, echo: Callable[[str], None],
+                    token: str | None = None) -> dict:
+    """``POST`` (or with ``cancel``, ``DELETE``) ``/drain`` at ``url`` with the node ``token``."""
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise DrainFailed(f"--admin must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}")
-    code, body = _http("DELETE" if cancel else "POST", f"{base}/drain")
+    code, body = _http("DELETE" if cancel else "POST", f"{base}/drain", token=token)
     if code not in (200, 202):
         raise DrainFailed(f"the node at {base} refused: HTTP {code}: {body.get('error', body)}")
     if cancel:

@@ -33,6 +33,10 @@ ClusterOpt = Annotated[str, typer.Option("--cluster", help="Cluster name (a key 
 TlsDirOpt = Annotated[Path | None, typer.Option(
     "--tls-dir", envvar="KVRING_TLS_DIR",
     help="The cluster's credentials (ca.crt, tls.crt, tls.key), for a cluster whose nodes require TLS.")]
+NodeTokenFileOpt = Annotated[Path | None, typer.Option(
+    "--node-token-file", show_default=False,
+    help="File holding the cluster's node token, which the nodes' admin ports require for flush, drain and key "
+         "queries (default: the KVRING_NODE_TOKEN variable).")]
 VerboseOpt = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Log at DEBUG level, and print the traceback of an error (for a bug report).")]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")]
@@ -64,6 +68,24 @@ def _credentials(tls_dir: Path | None):
         return ClusterCredentials.at(tls_dir) if tls_dir else None
     except CredentialsError as exc:
         raise typer.BadParameter(str(exc), param_hint="--tls-dir") from None
+
+
+def _node_token(token_file: Path | None) -> str | None:
+    """The node token: what ``--node-token-file`` holds, else ``KVRING_NODE_TOKEN``, else None (each
+    without surrounding whitespace); a one-line usage error for a file that cannot be read or is empty."""
+    import os
+
+    if token_file is None:
+        return os.environ.get("KVRING_NODE_TOKEN", "").strip() or None
+    try:
+        token = token_file.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"cannot read {token_file}: {getattr(exc, 'strerror', None) or exc}",
+                                 param_hint="--node-token-file") from None
+    if not token:
+        raise typer.BadParameter(f"{token_file} is empty; it should hold the cluster's node token",
+                                 param_hint="--node-token-file")
+    return token
 
 
 def _free_port(host: str, port: int, flag: str) -> None:
@@ -149,6 +171,7 @@ def node(
     repair_interval: Annotated[float, typer.Option(help="Seconds between repair passes when the ring "
                                                         "does not change.", min=0.01)] = 60.0,
     tls_dir: TlsDirOpt = None,
+    node_token_file: NodeTokenFileOpt = None,
     events: Annotated[bool, typer.Option(help="Publish KV events (vLLM's wire format) of the chunks stored and "
                                               "removed, for KV-aware routers.")] = True,
     events_port: Annotated[int, _port("ZMQ PUB port of the KV events (0: any free port).")] = 0,
@@ -188,12 +211,15 @@ def node(
             etcd=_etcd_settings(etcd, cluster), lease_ttl=lease_ttl, handoff=handoff,
             repair_rate=_size(repair_rate, "--repair-rate", zero=True),
             repair_interval=repair_interval, self_check_interval=self_check_interval,
-            tls=tls, fault_injection=fault_injection,
+            tls=tls, node_token=_node_token(node_token_file), fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication),
             events=PublisherSettings(host=host, port=events_port, replay_port=events_replay_port,
                                      topic=events_topic) if events else None)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    if config.node_token is None:
+        typer.echo("warning: no node token (--node-token-file or KVRING_NODE_TOKEN): the admin port refuses flush, "
+                   "drain and key queries (403)", err=True)
     raise typer.Exit(run_node(config))
 
 
@@ -269,6 +295,9 @@ def _print_cluster(cluster_: LocalCluster, token: str) -> None:
     if cluster_.tls is not None:
         typer.echo(f"The data ports require the cluster's credentials in {cluster_.tls.directory} "
                    "(--no-tls: plain TCP)")
+    typer.echo(f"The nodes' admin ports need the node token for flush, drain and key queries: "
+               f"--node-token-file {cluster_.node_token_file} (or KVRING_NODE_TOKEN=$(cat "
+               f"{cluster_.node_token_file}))")
     typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
     if cluster_.admin is not None:
         typer.echo(f"Admin API: {cluster_.admin.url} (docs {cluster_.admin.url}/docs); drain and flush need "
@@ -568,6 +597,7 @@ def drain(
     wait: Annotated[float, typer.Option("--wait", help="Seconds to wait for 'drained' (0: do not wait).",
                                         min=0)] = 0,
     cancel: Annotated[bool, typer.Option("--cancel", help="Withdraw the drain request instead.")] = False,
+    node_token_file: NodeTokenFileOpt = None,
 ) -> None:
     """Drain a node: it leaves the ring and hands every chunk to its new owners, then reports drained."""
     from kvring.cli.drain import drain_via_admin, drain_via_etcd
@@ -575,7 +605,7 @@ def drain(
     if (admin_url is None) == (etcd is None):
         raise typer.BadParameter("give either --admin URL (drain the node behind it) or --etcd with --node")
     if admin_url is not None:
-        drain_via_admin(admin_url, wait, cancel, typer.echo)
+        drain_via_admin(admin_url, wait, cancel, typer.echo, token=_node_token(node_token_file))
     else:
         if not node_id:
             raise typer.BadParameter("--etcd needs --node NODE_ID", param_hint="--node")
@@ -618,6 +648,7 @@ def admin(
         "--token", envvar="KVRING_ADMIN_TOKEN", show_default=False,
         help="Bearer token for drain and flush (prefer the KVRING_ADMIN_TOKEN variable: a command line is "
              "visible to other users). Without one those endpoints are off.")] = None,
+    node_token_file: NodeTokenFileOpt = None,
     node_timeout: Annotated[float, typer.Option(help="Seconds to wait for a node's /stats.", min=0.01)] = 2.0,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -630,12 +661,15 @@ def admin(
     _free_port(host, port, "--port")
     try:
         settings = AdminSettings(etcd=_etcd_settings(etcd, cluster), token=token or None,
-                                 node_timeout=node_timeout)
+                                 node_token=_node_token(node_token_file), node_timeout=node_timeout)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     typer.echo(f"kvring admin API for cluster {cluster!r} on http://{host}:{port} (docs /docs); drain and flush "
                + ("need the bearer token" if settings.token else "are off: set KVRING_ADMIN_TOKEN to enable them"),
                err=True)
+    if settings.node_token is None:
+        typer.echo("warning: no node token (--node-token-file or KVRING_NODE_TOKEN): the nodes refuse this admin's "
+                   "key queries and flushes, so lookup, key owners and flush answer 503", err=True)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="debug" if verbose else "warning")
 
 

@@ -3,6 +3,11 @@ optionally the admin API.
 
 Used by ``kvring up``, the benchmarks and the tests.  Every process is started in its own
 process group and stopped (SIGTERM, then SIGKILL) on ``close()``, so nothing is left behind.
+
+Each cluster has a node token of its own (``LocalCluster.node_token``, random unless given),
+written to ``node_token_file`` (mode 0600, beside the TLS credentials when there are any) and
+given to its nodes and its admin API with ``--node-token-file``: a node's flush, drain, key
+queries and fault injection need it (``cachenode/http.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -20,6 +26,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvring.common.contract import Contract
 from kvring.common.records import split_data_addr
@@ -193,12 +200,14 @@ class NodeProcess:
 
 @dataclass
 class AdminProcess:
-    """A ``kvring admin`` child process on loopback; the token travels in its environment."""
+    """A ``kvring admin`` child process on loopback; the token travels in its environment, the
+    node token in a file (``--node-token-file``)."""
 
     etcd: str
     cluster: str = "default"
     port: int = 0
     token: str | None = None
+    node_token_file: Path | None = None
     proc: subprocess.Popen | None = None
 
     @property
@@ -211,9 +220,10 @@ class AdminProcess:
         env.pop("KVRING_ADMIN_TOKEN", None)
         if self.token:
             env["KVRING_ADMIN_TOKEN"] = self.token
+        node_token = ["--node-token-file", str(self.node_token_file)] if self.node_token_file else []
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "kvring.cli", "admin", "--etcd", self.etcd, "--cluster", self.cluster,
-             "--host", "127.0.0.1", "--port", str(self.port)],
+             "--host", "127.0.0.1", "--port", str(self.port), *node_token],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -252,12 +262,13 @@ class AdminProcess:
 
 class LocalCluster:
     """etcd (started here unless ``etcd`` is given) plus ``nodes`` node processes, and the admin
-    API on loopback when ``admin`` is set."""
+    API on loopback when ``admin`` is set.  ``node_token``: the token the nodes' admin ports
+    require (a fresh random one unless given)."""
 
     def __init__(self, nodes: int = 3, memory: int = 1 << 30, etcd: str | None = None,
                  cluster: str = "default", lease_ttl: int = 10, contract: Contract | None = None,
                  node_args: list[str] | None = None, admin: bool = False, admin_port: int = 0,
-                 admin_token: str | None = None, tls: bool = False) -> None:
+                 admin_token: str | None = None, tls: bool = False, node_token: str | None = None) -> None:
         self.local_etcd = None if etcd else LocalEtcd()
         self.etcd = etcd or self.local_etcd.endpoint
         self.cluster = cluster
@@ -268,9 +279,19 @@ class LocalCluster:
         if tls:
             self.tls = generate(tempfile.mkdtemp(prefix="kvring-tls-"), cluster)
             node_args = [*(node_args or []), "--tls-dir", str(self.tls.directory)]
+        # The node token, in a file only this user can read: beside the credentials, or in a
+        # directory of its own (removed on close either way).
+        self.node_token = node_token or secrets.token_hex(32)
+        self._token_dir = self.tls.directory if self.tls is not None else Path(tempfile.mkdtemp(prefix="kvring-token-"))
+        self.node_token_file = self._token_dir / "node-token"
+        fd = os.open(self.node_token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.node_token + "\n")
+        node_args = [*(node_args or []), "--node-token-file", str(self.node_token_file)]
         self.nodes = [NodeProcess(f"node-{i}", memory, self.etcd, cluster, lease_ttl, self.contract,
-                                  list(node_args or [])) for i in range(nodes)]
-        self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token) if admin else None
+                                  list(node_args)) for i in range(nodes)]
+        self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token,
+                                  self.node_token_file) if admin else None
 
     def start(self) -> LocalCluster:
         try:
@@ -286,6 +307,11 @@ class LocalCluster:
             self.close()
             raise
         return self
+
+    @property
+    def node_auth(self) -> dict[str, str]:
+        """The HTTP header a request to a node's guarded admin endpoints needs."""
+        return {"Authorization": f"Bearer {self.node_token}"}
 
     def add_node(self, memory: int | None = None) -> NodeProcess:
         first = self.nodes[0]
@@ -327,8 +353,7 @@ class LocalCluster:
             node.stop()
         if self.local_etcd is not None:
             self.local_etcd.close()
-        if self.tls is not None:
-            shutil.rmtree(self.tls.directory, ignore_errors=True)
+        shutil.rmtree(self._token_dir, ignore_errors=True)  # the credentials' directory, if there are any
 
     def __enter__(self) -> LocalCluster:
         return self.start()
