@@ -12,14 +12,15 @@ that long.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.client import ClusterClient, ReadMeter
 from kvring.common.chunk import ChunkBlocks
 
 from .adapters import AdapterIdentities
@@ -30,7 +31,7 @@ from .keys import KVLayout
 from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
 from .parts import ChunkParts
 from .request_inputs import RequestInputs, read_request
-from .stats import Counters
+from .stats import Counters, transfers_of
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class Lookup:
     hit_tokens: int = 0  # what vLLM was told it can load, counted from the prompt's start
     admitted: bool | None = None  # admission's decision, made once per lookup however often vLLM asks
     counted: bool = False  # its tokens are in the hit-rate counters
+    meter: ReadMeter = field(default_factory=ReadMeter)  # what each node's answer cost
+    shares: dict[str, float] = field(default_factory=dict)  # node -> its fraction of the present parts
 
 
 @dataclass
@@ -101,6 +104,8 @@ class SchedulerSide:
         self._trackers: dict[str, RequestTracker] = {}
         self._requests: dict[str, object] = {}
         self._wait_left = 0.0  # seconds this step may still wait for lookups in flight
+        # Meters of lookups answered after their deadline (appended by lookup threads), for admission.
+        self._late_meters: collections.deque[ReadMeter] = collections.deque()
         self.new_step()
         self._late = _LateLookups()
 
@@ -109,6 +114,8 @@ class SchedulerSide:
     def new_step(self) -> None:
         """A scheduler step begins: its allowance for waiting on lookups in flight starts over."""
         self._wait_left = self.config.lookup_wait_ms / 1000
+        while self._late_meters:  # how the late lookups ended: nodes that answered, or failed
+            self.cost.looked_up(self._late_meters.popleft().transfers())
 
     def on_new_request(self, request) -> None:
         start = time.perf_counter()
@@ -127,8 +134,9 @@ class SchedulerSide:
         if not keys:
             return Lookup(inputs, keys, now, hit_chunks=0)
         self.counters.add(lookups=1)
-        return Lookup(inputs, keys, now, self.client.lookup_async(self.parts.keys(keys),
-                                                                  lease_ms=self.config.lookup_lease_ms))
+        meter = ReadMeter()
+        future = self.client.lookup_async(self.parts.keys(keys), lease_ms=self.config.lookup_lease_ms, meter=meter)
+        return Lookup(inputs, keys, now, future, meter=meter)
 
     def _answer(self, req_id: str, lookup: Lookup) -> int | None:
         """Leading chunks present, or ``None`` while the lookup is in flight (within its deadline)."""
@@ -148,8 +156,13 @@ class SchedulerSide:
                 self.counters.add(lookup_errors=1)
                 present = []
             lookup.hit_chunks = next((i for i, hit in enumerate(present) if not hit), len(present))
+            transfers = lookup.meter.transfers()
+            self.cost.looked_up(transfers)
+            hits = sum(t.hits for t in transfers)
+            lookup.shares = {t.node_id: t.hits / hits for t in transfers if t.hits}
         elif time.monotonic() - lookup.sent >= self.config.lookup_deadline_ms / 1000:
-            fut.cancel()
+            if not fut.cancel():  # under way: admission learns how it ends
+                fut.add_done_callback(lambda _, meter=lookup.meter: self._late_meters.append(meter))
             self.counters.add(lookups_past_deadline=1)
             self._late.note(req_id, self.config.lookup_deadline_ms)
             lookup.hit_chunks = 0
@@ -185,12 +198,15 @@ class SchedulerSide:
             return 0, False
         new = hit_tokens - num_computed_tokens
         if self.config.load_admission and lookup.admitted is None:
-            decision = self.cost.decide(new)
+            decision = self.cost.decide(new, lookup.shares)
             lookup.admitted = decision.admit
-            if not decision.admit:
-                self.counters.add(loads_refused=1)
-                logger.info("kvring: request %s recomputes %d tokens instead of loading them (load %.3f s "
-                            "predicted, recompute %.3f s)", req_id, new, decision.load_s, decision.recompute_s)
+            if decision.admit:
+                self.counters.add(loads_admitted=1, load_probes=int(decision.probe))
+            else:
+                self.counters.by_reason("loads_refused", decision.refusal)
+                logger.info("kvring: request %s recomputes %d tokens instead of loading them (%s; load %s "
+                            "predicted, recompute %s)", req_id, new, decision.refusal,
+                            _seconds(decision.load_s), _seconds(decision.recompute_s))
         if lookup.admitted is False:
             return 0, False
         lookup.hit_tokens = hit_tokens
@@ -311,8 +327,7 @@ class SchedulerSide:
     def update_connector_output(self, connector_output) -> None:
         stats = getattr(connector_output, "kv_connector_stats", None)
         data = getattr(stats, "data", None) or {}
-        if data.get("loads"):
-            self.cost.loads_measured(data.get("loaded_bytes", 0), data.get("load_seconds", 0.0), data["loads"])
+        self.cost.loaded(transfers_of(data))
 
     def request_finished(self, request) -> None:
         lookup = self._lookups.pop(request.request_id, None)
@@ -338,3 +353,7 @@ class SchedulerSide:
         logger.info("kvring: weights epoch %d (reset_cache): chunks of earlier weights will not be loaded",
                     self.weights_epoch)
         return True
+
+
+def _seconds(value: float | None) -> str:
+    return "unmeasured" if value is None else f"{value:.3f} s"

@@ -5,7 +5,11 @@ count too).  vLLM collects each role's counts once per step (``get_kv_connector_
 them across workers and steps (``KVRingStats.aggregate``), logs them every logging interval
 (``KVRingStats.reduce``: "KV Transfer metrics: ...") and adds them to its Prometheus counters
 (``KVRingPromMetrics.observe``), all named ``vllm:kvring_<counter>_total``, with vLLM's engine
-labels, and failed blocks by ``reason``.
+labels; failed blocks and refused loads also by ``reason``.
+
+The worker's counts also carry its loads' ``transfers`` (one per node a load read from: bytes,
+seconds, whether the node failed; ``kvring.cachenode.client.meter``), which the scheduler side's
+admission learns from (``admission.py``); they are not metrics.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvring.cachenode.client import Transfer
+
+from .admission import Refusal
+
 # name -> help text; every counter is exported as vllm:kvring_<name>_total.
 COUNTERS: dict[str, str] = {
     "lookups": "Prefix lookups sent to the kvring cluster",
@@ -22,7 +30,8 @@ COUNTERS: dict[str, str] = {
     "lookup_errors": "Lookups that failed (no node, network error); their requests recompute",
     "queried_tokens": "Prompt tokens looked up in the kvring cluster",
     "hit_tokens": "Prompt tokens the kvring cluster held and vLLM was told to load",
-    "loads_refused": "Loads not started because recomputing was predicted to be faster",
+    "loads_admitted": "Loads admission let start (probes included)",
+    "load_probes": "Loads admission would have refused but let start, to measure the cluster again",
     "loads": "Loads from the kvring cluster (one per request, or per step in layerwise and bulk modes)",
     "loaded_bytes": "Bytes of KV loaded into vLLM's cache",
     "load_seconds": "Seconds spent loading (fetch, verify, copy into the paged cache)",
@@ -31,10 +40,19 @@ COUNTERS: dict[str, str] = {
     "saved_bytes": "Bytes of KV saved to the kvring cluster",
     "save_seconds": "Seconds spent saving (copy out, send, until every replica answered)",
     "failed_saves": "Chunk parts whose save failed (dropped; a later request recomputes their chunks)",
+    "node_failures": "Requests a cache node did not answer (timed out, unreachable; a load abandoned while it "
+                     "still owed bytes): admission refuses loads from it until one succeeds again",
     "scheduler_hook_seconds": "Seconds the connector's hooks held vLLM's scheduler loop",
 }
-FAILED_BLOCKS = "failed_blocks"  # {reason: count}: blocks vLLM recomputes because a load failed
-FAILURE_REASONS = ("missing", "unusable", "abandoned", "error")
+# name -> (help text, its reasons): {reason: count}, exported with a ``reason`` label.
+BY_REASON: dict[str, tuple[str, tuple[str, ...]]] = {
+    "failed_blocks": ("KV blocks vLLM recomputes because kvring could not load them",
+                      ("missing", "unusable", "abandoned", "error")),
+    "loads_refused": ("Loads admission refused (their tokens recompute): predicted slower than recomputing, "
+                      "or needing a cache node whose last transfer failed", tuple(Refusal)),
+}
+TRANSFERS = "transfers"
+MAX_TRANSFERS = 1024  # a collection keeps the newest this many (admission needs only recent ones)
 
 
 class Counters:
@@ -50,9 +68,19 @@ class Counters:
                 self._data[name] += value
 
     def failed(self, reason: str, blocks: int) -> None:
-        if blocks:
+        self.by_reason("failed_blocks", reason, blocks)
+
+    def by_reason(self, name: str, reason: str, n: int = 1) -> None:
+        if n:
             with self._lock:
-                self._data[FAILED_BLOCKS][reason] = self._data[FAILED_BLOCKS].get(reason, 0) + blocks
+                self._data[name][reason] = self._data[name].get(reason, 0) + n
+
+    def transfers(self, transfers: list[Transfer]) -> None:
+        """What each node's share of a load cost (for admission), and its failures (a counter)."""
+        if transfers:
+            with self._lock:
+                _keep_newest(self._data[TRANSFERS], [list(_astuple(t)) for t in transfers])
+                self._data["node_failures"] += sum(not t.ok for t in transfers)
 
     def take(self) -> KVRingStats | None:
         """The counts since the last call (``None`` when nothing happened), and start over."""
@@ -64,8 +92,24 @@ class Counters:
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
-    data[FAILED_BLOCKS] = {}
+    for name in BY_REASON:
+        data[name] = {}
+    data[TRANSFERS] = []
     return data
+
+
+def _astuple(t: Transfer) -> tuple:
+    return (t.node_id, t.nbytes, t.seconds, t.first_reply_s, t.hits, t.ok)
+
+
+def transfers_of(data: dict[str, Any]) -> list[Transfer]:
+    """The transfers in a collection's ``data`` (as ``Counters.transfers`` stored them)."""
+    return [Transfer(*row) for row in data.get(TRANSFERS, ())]
+
+
+def _keep_newest(rows: list, new: list) -> None:
+    rows.extend(new)
+    del rows[:-MAX_TRANSFERS]
 
 
 class KVRingStats(KVConnectorStats):
@@ -74,7 +118,9 @@ class KVRingStats(KVConnectorStats):
     def __post_init__(self) -> None:
         for name in COUNTERS:
             self.data.setdefault(name, 0)
-        self.data.setdefault(FAILED_BLOCKS, {})
+        for name in BY_REASON:
+            self.data.setdefault(name, {})
+        self.data.setdefault(TRANSFERS, [])
 
     def reset(self) -> None:
         self.data = _empty()
@@ -82,8 +128,11 @@ class KVRingStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVRingStats:
         for name in COUNTERS:
             self.data[name] += other.data.get(name, 0)
-        for reason, n in other.data.get(FAILED_BLOCKS, {}).items():
-            self.data[FAILED_BLOCKS][reason] = self.data[FAILED_BLOCKS].get(reason, 0) + n
+        for name in BY_REASON:
+            mine = self.data[name]
+            for reason, n in other.data.get(name, {}).items():
+                mine[reason] = mine.get(reason, 0) + n
+        _keep_newest(self.data[TRANSFERS], list(other.data.get(TRANSFERS, ())))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -96,13 +145,17 @@ class KVRingStats(KVConnectorStats):
             "kvring_loaded_MiB": round(d["loaded_bytes"] / 2**20, 2),
             "kvring_load_GBps": round(d["loaded_bytes"] / d["load_seconds"] / 1e9, 3) if d["load_seconds"] else 0.0,
             "kvring_saved_MiB": round(d["saved_bytes"] / 2**20, 2),
-            "kvring_failed_blocks": sum(d[FAILED_BLOCKS].values()),
-            "kvring_loads_refused": d["loads_refused"], "kvring_loads_abandoned": d["loads_abandoned"],
+            "kvring_failed_blocks": sum(d["failed_blocks"].values()),
+            "kvring_loads_admitted": d["loads_admitted"], "kvring_load_probes": d["load_probes"],
+            "kvring_loads_abandoned": d["loads_abandoned"], "kvring_node_failures": d["node_failures"],
         }
+        for reason in Refusal:
+            out[f"kvring_loads_refused_{reason}"] = d["loads_refused"].get(reason, 0)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in COUNTERS) and not any(self.data[FAILED_BLOCKS].values())
+        return (not any(self.data[name] for name in COUNTERS) and not self.data[TRANSFERS]
+                and not any(any(self.data[name].values()) for name in BY_REASON))
 
 
 class KVRingPromMetrics(KVConnectorPromMetrics):
@@ -116,18 +169,21 @@ class KVRingPromMetrics(KVConnectorPromMetrics):
             metric = self._counter_cls(name=f"vllm:kvring_{name}", documentation=doc, labelnames=labelnames)
             for engine, values in per_engine_labelvalues.items():
                 self._counters[engine, name] = metric.labels(*values)
-        failed = self._counter_cls(name=f"vllm:kvring_{FAILED_BLOCKS}",
-                                   documentation="KV blocks vLLM recomputes because kvring could not load them",
-                                   labelnames=[*labelnames, "reason"])
-        self._failed = {(engine, reason): failed.labels(*values, reason)
-                        for engine, values in per_engine_labelvalues.items() for reason in FAILURE_REASONS}
+        self._by_reason: dict[tuple[int, str, str], Any] = {}
+        for name, (doc, reasons) in BY_REASON.items():
+            metric = self._counter_cls(name=f"vllm:kvring_{name}", documentation=doc,
+                                       labelnames=[*labelnames, "reason"])
+            for engine, values in per_engine_labelvalues.items():
+                for reason in reasons:
+                    self._by_reason[engine, name, reason] = metric.labels(*values, reason)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name in COUNTERS:
             value = transfer_stats_data.get(name, 0)
             if value:
                 self._counters[engine_idx, name].inc(value)
-        for reason, n in transfer_stats_data.get(FAILED_BLOCKS, {}).items():
-            counter = self._failed.get((engine_idx, reason))
-            if counter is not None and n:
-                counter.inc(n)
+        for name in BY_REASON:
+            for reason, n in transfer_stats_data.get(name, {}).items():
+                counter = self._by_reason.get((engine_idx, name, reason))
+                if counter is not None and n:
+                    counter.inc(n)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.client import ClusterClient, ReadMeter
 from kvring.common.chunk import ChunkItem
 
 from .config import ConnectorConfig
@@ -74,6 +74,7 @@ class _LoadJob:
         self.first_layer_s: float | None = None  # until layer 0 of every chunk was in the cache
         self.seconds = 0.0  # until the last layer was
         self.nbytes = 0
+        self.meter = ReadMeter()  # what each node's share cost (admission learns from it)
         # One flat list of part keys over all requests: each chunk's parts of this worker's
         # heads in turn, and where each goes.
         heads = range(len(worker.shard.heads))
@@ -96,7 +97,7 @@ class _LoadJob:
         unusable: set[int] = set()
         error = False
         try:
-            for batch in w.client.iter_layers(self.keys, found=found):
+            for batch in w.client.iter_layers(self.keys, found=found, meter=self.meter):
                 if self.abandoned:
                     break
                 layer = batch.layer
@@ -141,10 +142,11 @@ class _LoadJob:
             self.abandoned = True
             failed = sum(self._fail(i) for i in range(len(self.keys)))
             self.worker.counters.failed("abandoned", failed)
-            # What it moved until now is its measurement (admission learns how slow it was now,
-            # not when the stuck fetch finally ends).
             self.worker.counters.add(loads_abandoned=1, loads=1, loaded_bytes=self.nbytes,
                                      load_seconds=time.perf_counter() - self.started)
+            # The nodes that had not finished failed it (admission distrusts them now, rather
+            # than taking their stall for their speed); the others' shares are measurements.
+            self.worker.counters.transfers(self.meter.transfers(abandoned=True))
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
         req, k = self.owner[i].req, self.owner[i].chunk
@@ -312,6 +314,7 @@ class WorkerSide:
     def record_load(self, job: _LoadJob) -> None:
         if not job.abandoned:  # an abandoned load was counted when it was abandoned
             self.counters.add(loads=1, loaded_bytes=job.nbytes, load_seconds=job.seconds)
+            self.counters.transfers(job.meter.transfers())
         entry = {"mode": self.config.load_mode, "chunks": job.chunks, "parts": len(job.keys), "bytes": job.nbytes,
                  "seconds": job.seconds, "first_layer_seconds": job.first_layer_s,
                  "failed_blocks": len(job.failed_blocks),

@@ -30,6 +30,7 @@ from kvring.common.ring import HashRing
 from kvring.common.tls import ClusterCredentials
 from kvring.membership.settings import EtcdSettings
 
+from .meter import NO_METER, ReadMeter
 from .reads import Chunk, LayerBatch, Reads
 from .ringview import FailureMarks, Membership
 from .transport import Links, next_rid
@@ -144,18 +145,20 @@ class ClusterClient:
 
     # ---- reads ----------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[bool]:
+    def lookup(self, keys: Sequence[bytes], lease_ms: int = 0, meter: ReadMeter = NO_METER) -> list[bool]:
         """Presence of each key (one batched request per owner node, in parallel).
 
-        ``lease_ms`` asks the nodes to keep the present chunks from eviction that long."""
-        return self.reads.lookup(list(keys), lease_ms) if keys else []
+        ``lease_ms`` asks the nodes to keep the present chunks from eviction that long;
+        ``meter`` records what each node's answer cost (``meter.py``)."""
+        return self.reads.lookup(list(keys), lease_ms, meter) if keys else []
 
-    def lookup_async(self, keys: Sequence[bytes], lease_ms: int = 0) -> concurrent.futures.Future:
+    def lookup_async(self, keys: Sequence[bytes], lease_ms: int = 0,
+                     meter: ReadMeter = NO_METER) -> concurrent.futures.Future:
         """``lookup`` without waiting: a future of the presence list, run on a lookup thread.
 
         The future fails with ``KVRingError`` if the lookup cannot be routed; cancelling it
         before it runs drops it."""
-        return self._lookups.submit(self.lookup, list(keys), lease_ms)
+        return self._lookups.submit(self.lookup, list(keys), lease_ms, meter)
 
     def lookup_prefix(self, keys: Sequence[bytes], lease_ms: int = 0) -> int:
         """How many leading keys of a chain are all present."""
@@ -178,7 +181,7 @@ class ClusterClient:
         return self.reads.get(list(keys), layers, node)
 
     def iter_layers(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
-                    found: list | None = None) -> Iterator[LayerBatch]:
+                    found: list | None = None, meter: ReadMeter = NO_METER) -> Iterator[LayerBatch]:
         """Stream layers as they arrive: one ``LayerBatch`` per node and layer.
 
         ``found`` (a list as long as ``keys``), if given, receives each key's ``ChunkMeta`` as
@@ -187,8 +190,9 @@ class ClusterClient:
         Layers of different nodes interleave; within a node they arrive in order.  After a
         failover a key's layers may be delivered again from another replica (same bytes), so
         consumers must treat deliveries as idempotent writes.  The views stay valid after the
-        next batch arrives (each is a buffer of its own)."""
-        yield from self.reads.stream(list(keys), layers, found, stream=True)
+        next batch arrives (each is a buffer of its own).  ``meter`` records what each node's
+        share cost (``meter.py``)."""
+        yield from self.reads.stream(list(keys), layers, found, stream=True, meter=meter)
 
     # ---- writes ---------------------------------------------------------------------------------
 

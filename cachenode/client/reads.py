@@ -11,6 +11,8 @@ through its owners; a node that fails is marked.  After a ring change, a key mis
 new owners is looked for on its owner in the previous ring.  GET verifies the XXH3 checksum of
 every layer it receives; a mismatch is a miss of that key (it is never returned) and the
 corrupt copy is deleted, so the next save can store a good one.
+
+A caller's ``ReadMeter`` (``meter.py``) records what each node's share of a LOOKUP or GET cost.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvring.common.chunk import ChunkMeta
 from kvring.common.errors import ErrorCode, KVRingError, NoOwners, RemoteError
 from kvring.common.ring import HashRing
 
+from .meter import NO_METER, ReadMeter
 from .ringview import FailureMarks, Membership
 from .transport import Exchange, Failure, Links, Reply, next_rid
 
@@ -112,7 +115,7 @@ class Reads:
 
     # ---- LOOKUP -----------------------------------------------------------------------------
 
-    def lookup(self, keys: list[bytes], lease_ms: int) -> list[bool]:
+    def lookup(self, keys: list[bytes], lease_ms: int, meter: ReadMeter = NO_METER) -> list[bool]:
         view = self.membership.view
         present = [False] * len(keys)
         if self.membership.conflict:  # keys hashed under another contract: nothing of ours is there
@@ -120,7 +123,7 @@ class Reads:
         skip: list[set[str]] = [set()] * len(keys)  # replaced per key by a set of its own once one fails
         todo = list(range(len(keys)))
         for _ in range(self.replication):  # on a miss or a failure, the next owner
-            todo = self._lookup_on(view.ring, keys, todo, lease_ms, present, skip)
+            todo = self._lookup_on(view.ring, keys, todo, lease_ms, present, skip, meter)
             if not todo:
                 break
         prev = view.previous()
@@ -130,11 +133,11 @@ class Reads:
             if missed:
                 for i in missed:
                     skip[i] = set(view.ring.owners(keys[i]))
-                self._lookup_on(prev, keys, missed, lease_ms, present, skip)
+                self._lookup_on(prev, keys, missed, lease_ms, present, skip, meter)
         return present
 
     def _lookup_on(self, ring: HashRing, keys, todo: list[int], lease_ms: int, present: list[bool],
-                   skip: list[set[str]]) -> list[int]:
+                   skip: list[set[str]], meter: ReadMeter) -> list[int]:
         groups = self.route(ring, [keys[i] for i in todo], [skip[i] for i in todo])
         asked: dict[int, list[int]] = {}
         again: list[int] = []  # keys to ask of their next owner
@@ -143,9 +146,11 @@ class Reads:
                 for idx in _requests_of([todo[j] for j in local]):
                     msg = P.Lookup(rid=next_rid(), epoch=ring.epoch, keys=[keys[i] for i in idx], lease_ms=lease_ms)
                     asked[ex.request(node_id, msg)] = idx
+                    meter.sent(node_id)
             for event in ex.events():
                 if isinstance(event, Failure):
                     self.marks.failed(event.node_id, event.error)
+                    _failed(meter, event)
                     logger.debug("lookup on %s failed: %s", event.node_id, event.error)
                     for rid in event.rids:
                         for i in asked.pop(rid, ()):
@@ -153,6 +158,7 @@ class Reads:
                             again.append(i)
                     continue
                 idx = asked.pop(event.rid, ())
+                meter.replied(event.node_id, hits=sum(map(bool, event.msg.present)))
                 for i, hit in zip(idx, event.msg.present):
                     if hit:
                         present[i] = True
@@ -193,7 +199,7 @@ class Reads:
     # ---- GET ----------------------------------------------------------------------------------
 
     def stream(self, keys: list[bytes], layers: tuple[int, int] | None, found: list | None, stream: bool,
-               pin: str | None = None) -> Iterator[LayerBatch]:
+               pin: str | None = None, meter: ReadMeter = NO_METER) -> Iterator[LayerBatch]:
         """Layers of ``keys`` as they arrive (see ``ClusterClient.iter_layers``)."""
         start, end = layers if layers is not None else (0, -1)
         if start < 0 or (end != -1 and end <= start):
@@ -219,7 +225,7 @@ class Reads:
             else:
                 groups = self.route(ring, [r.key for r in todo], [r.tried for r in todo])
             batches = {node_id: [todo[j] for j in local] for node_id, local in groups.items()}
-            yield from self._round(batches, ring.epoch, start, end, stream, found)
+            yield from self._round(batches, ring.epoch, start, end, stream, found, meter)
             # Failed keys, and missing ones that an owner not asked yet may hold, go round again.
             todo = [r for r in reads.values() if not r.done and (not r.missing or set(ring.owners(r.key)) - r.tried)
                     ] if pin is None else []
@@ -237,7 +243,7 @@ class Reads:
                     found[i] = None
 
     def _round(self, batches: dict[str, list[KeyRead]], epoch: int, start: int, end: int, stream: bool,
-               found: list) -> Iterator[LayerBatch]:
+               found: list, meter: ReadMeter) -> Iterator[LayerBatch]:
         """One GET per node for its batch; yields the layers that pass their checksums."""
         asked: dict[int, tuple[str, list[KeyRead]]] = {}
         with Exchange(self.links, self.timeout) as ex:
@@ -246,11 +252,13 @@ class Reads:
                     msg = P.Get(rid=next_rid(), epoch=epoch, keys=[r.key for r in batch], layer_start=start,
                                 layer_end=end, stream=stream)
                     asked[ex.request(node_id, msg, streamed=True)] = (node_id, batch)
+                    meter.sent(node_id)
                     for r in batch:
                         r.tried.add(node_id)
             for event in ex.events():
                 if isinstance(event, Failure):
                     self.marks.failed(event.node_id, event.error)
+                    _failed(meter, event)
                     if isinstance(event.error, RemoteError) and event.error.code == ErrorCode.BAD_RANGE:
                         raise event.error
                     for rid in event.rids:
@@ -260,8 +268,10 @@ class Reads:
                 node_id, batch = asked[event.rid]
                 msg = event.msg
                 if isinstance(msg, P.GetHead):
+                    meter.replied(node_id, last=not any(m is not None for m in msg.metas))
                     self._head(batch, msg, start, end, found)
                 elif isinstance(msg, P.GetLayer):
+                    meter.replied(node_id, sum(memoryview(p).nbytes for p in event.payloads), last=msg.last)
                     good = self._check_layer(node_id, batch, msg, event.payloads, found)
                     if good:
                         indices, views = [], []
@@ -351,6 +361,15 @@ class Reads:
                     off = (batch.layer - start) * meta.layer_bytes
                     chunk.data[off:off + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
         return [c if found[i] is not None else None for i, c in enumerate(out)]
+
+
+def _failed(meter: ReadMeter, event: Failure) -> None:
+    """Record a failure in ``meter``: the node's own (it did not answer) or an answer (an error it sent)."""
+    for _ in event.rids:
+        if isinstance(event.error, RemoteError):
+            meter.replied(event.node_id)
+        else:
+            meter.failed(event.node_id)
 
 
 def _requests_of(items: list) -> list[list]:

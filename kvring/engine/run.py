@@ -246,7 +246,8 @@ def connector_counters() -> dict[str, float]:
     """The connector's counters as vLLM's Prometheus metrics hold them in this process (cumulative).
 
     ``{name: value}`` for every ``vllm:kvring_<name>_total`` series, summed over labels (engines,
-    and for ``failed_blocks`` the reasons); ``{}`` when the engine has no connector.  Read from
+    and for ``failed_blocks`` and ``loads_refused`` the reasons, which also get an entry each:
+    ``"loads_refused:slower"``); ``{}`` when the engine has no connector.  Read from
     prometheus_client's registry directly: ``LLM.get_metrics()`` returns the same series but
     truncates every counter to an int (vLLM's ``v1/metrics/reader.py``), which turns seconds
     such as ``scheduler_hook_seconds`` into 0.
@@ -258,7 +259,12 @@ def connector_counters() -> dict[str, float]:
         if metric.type != "counter" or not metric.name.startswith("vllm:kvring_"):
             continue
         name = metric.name.removeprefix("vllm:kvring_")
-        counters[name] = sum(s.value for s in metric.samples if s.name.endswith("_total"))
+        totals = [s for s in metric.samples if s.name.endswith("_total")]
+        counters[name] = sum(s.value for s in totals)
+        for s in totals:
+            if "reason" in s.labels:
+                key = f"{name}:{s.labels['reason']}"
+                counters[key] = counters.get(key, 0.0) + s.value
     return counters
 
 

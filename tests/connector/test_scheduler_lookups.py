@@ -20,7 +20,8 @@ import pytest
 
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
-from kvring.connector.admission import LoadCostModel
+from kvring.cachenode.client import Transfer
+from kvring.connector.admission import PROBE_INTERVAL_S, SAMPLE_TTL_S, WINDOW, LoadCostModel, Refusal
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.keys import KVLayout, request_keys
 from kvring.connector.scheduler import SchedulerSide
@@ -99,8 +100,8 @@ def test_a_lookup_answers_on_a_later_call_and_is_sent_once(cluster):
         real = client.lookup_async
         holder = concurrent.futures.ThreadPoolExecutor(1)
 
-        def held(keys, lease_ms=0):
-            return holder.submit(lambda: (release.wait(10), client.lookup(keys, lease_ms))[1])
+        def held(keys, lease_ms=0, meter=None):
+            return holder.submit(lambda: (release.wait(10), client.lookup(keys, lease_ms, meter))[1])
 
         sched.client.lookup_async = held
         sched.on_new_request(request)
@@ -197,53 +198,129 @@ def test_a_lookup_that_cannot_be_routed_is_a_miss_not_an_error(cluster_factory):
         client.close()
 
 
-@pytest.mark.parametrize("bandwidth, latency, rate, tokens, admit", [
-    (None, 0.0, 5000.0, 4096, True),  # no load measured yet: admitted
-    (1e9, 0.0, None, 4096, True),  # no prefill measured yet: admitted
-    (1e9, 0.001, 5000.0, 4096, True),  # 4 MiB at 1 GB/s (5 ms) vs 0.8 s of prefill
-    (1e6, 0.0, 5000.0, 4096, False),  # a crawling network: 1 s to load vs 0.8 s to recompute
-    (1e9, 2.0, 5000.0, 4096, False),  # a node that takes 2 s to answer anything
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _transfer(node: str, nbytes: int, seconds: float, latency: float = 0.001, ok: bool = True) -> Transfer:
+    return Transfer(node, nbytes, seconds, latency, 0, ok)
+
+
+def _model(prefill_rate: float | None = 5000.0, **kw) -> tuple[LoadCostModel, _Clock]:
+    clock = _Clock()
+    model = LoadCostModel(bytes_per_token=1024, timeout_s=5.0, clock=clock, **kw)
+    if prefill_rate is not None:
+        model.prefill.append(prefill_rate)
+    return model, clock
+
+
+@pytest.mark.parametrize("rate, latency, prefill, admit", [
+    (None, None, 5000.0, True),  # no load measured yet: admitted
+    (1e9, 0.001, None, True),  # no prefill measured yet: admitted
+    (1e9, 0.001, 5000.0, True),  # 4 MiB at 1 GB/s (5 ms) vs 0.8 s of prefill
+    (1e6, 0.001, 5000.0, False),  # a crawling network: 4 s to load vs 0.8 s to recompute
+    (1e9, 2.0, 5000.0, False),  # a node that takes 2 s to answer anything
 ])
-def test_admission_loads_only_what_is_faster_than_recomputing(bandwidth, latency, rate, tokens, admit):
-    model = LoadCostModel(bytes_per_token=1024, timeout_s=5.0)
-    model.bandwidth, model.latency, model.prefill_rate = bandwidth, latency, rate
-    assert model.decide(tokens).admit is admit
+def test_admission_loads_only_what_is_faster_than_recomputing(rate, latency, prefill, admit):
+    model, _ = _model(prefill)
+    if rate is not None:
+        seconds = latency + (4 << 20) / rate
+        model.loaded([_transfer("a", 4 << 20, seconds, latency)])
+    decision = model.decide(4096, {"a": 1.0})
+    assert decision.admit is admit and not decision.probe
+    assert decision.refusal == (None if admit else Refusal.SLOWER)
 
 
-def test_admission_measures_prefill_speed_and_load_bandwidth():
-    model = LoadCostModel(bytes_per_token=1024, timeout_s=5.0)
+def test_admission_splits_a_load_over_the_nodes_that_hold_it():
+    model, _ = _model(prefill_rate=10_000.0)  # 0.4 s to recompute 4096 tokens
+    for _ in range(3):
+        model.loaded([_transfer("fast", 4 << 20, 0.005), _transfer("slow", 4 << 20, 4.0)])
+    load_s, recompute_s = model.predict(4096, {"fast": 1.0})
+    assert load_s == pytest.approx(0.001 + (4 << 20) / ((4 << 20) / 0.004)) and recompute_s == pytest.approx(0.4096)
+    assert model.decide(4096, {"fast": 1.0}).admit  # its chunks are all on the fast node
+    slow = model.decide(4096, {"fast": 0.5, "slow": 0.5})  # half on the slow one: 2 s for its half
+    assert not slow.admit and slow.refusal == Refusal.SLOWER and slow.load_s == pytest.approx(2.0, rel=0.01)
+    # A node not measured yet counts at the median of the others (here: between the two).
+    assert model.predict(4096, {"fast": 1.0})[0] < model.predict(4096, {"new": 1.0})[0] < \
+        model.predict(4096, {"slow": 1.0})[0]
+
+
+def test_admission_measures_prefill_speed_robustly():
+    model, _ = _model(prefill_rate=None)
     model.step_started(2048, loads=False, now=10.0)
     model.step_started(1, loads=True, now=10.5)  # the 2048-token step took 0.5 s
     assert model.prefill_rate == pytest.approx(4096)
     model.step_started(8, loads=False, now=12.0)  # a step with a load is not a prefill sample
     assert model.prefill_rate == pytest.approx(4096)
-    model.loads_measured(nbytes=2 * 10**8, seconds=0.2, loads=1)
-    assert model.bandwidth == pytest.approx(1e9) and model.latency == 0.0  # all bytes, no fixed cost
-    decision = model.decide(4096)
-    assert decision.admit and decision.load_s == pytest.approx(4096 * 1024 / 1e9)
-    assert decision.recompute_s == pytest.approx(1.0)
+    for now in (13.0, 13.5, 14.0):
+        model.step_started(2048, loads=False, now=now)
+    model.step_started(2048, loads=False, now=34.0)  # one step held up 20 s (a stall, a pause)
+    assert model.prefill_rate == pytest.approx(4096)  # the median: one outlier moves nothing
     # An async load may take up to twice the recompute it saves (within [0.2 s, timeout]).
     assert model.deadline_s(4096) == pytest.approx(2.0)
     assert model.deadline_s(10) == pytest.approx(0.2)
     assert LoadCostModel(1024, timeout_s=5.0, load_deadline_s=0.7).deadline_s(4096) == 0.7
 
 
-def test_admission_learns_from_an_abandoned_load_and_probes_again():
-    from kvring.connector.admission import PROBE_EVERY
+def test_a_stalled_load_marks_its_node_failing_and_its_recovery_is_trusted_within_seconds():
+    """The scenario that turned loads off: one stalled load taken as a bandwidth sample."""
+    model, clock = _model(prefill_rate=20_000.0)  # 0.2 s to recompute 4096 tokens
+    for _ in range(5):
+        model.loaded([_transfer("a", 2 << 20, 0.004), _transfer("b", 2 << 20, 0.004)])
+    healthy = model.decide(4096, {"a": 0.5, "b": 0.5})
+    assert healthy.admit and healthy.load_s < 0.01
+    # "b" is stopped mid-load: it moved 64 KiB in 5 s (the client's timeout), then failed.
+    model.loaded([_transfer("a", 2 << 20, 0.004), _transfer("b", 64 << 10, 5.0, ok=False)])
+    assert model.predict(4096, {"a": 0.5, "b": 0.5})[0] == pytest.approx(healthy.load_s)  # not a sample
+    stalled = model.decide(4096, {"a": 0.5, "b": 0.5})
+    assert not stalled.admit and stalled.refusal == Refusal.NODE_FAILING
+    assert model.decide(4096, {"a": 1.0}).admit  # loads that do not need "b" go on
+    clock.now += 10
+    assert not model.decide(4096, {"a": 0.5, "b": 0.5}).admit  # "b" has not answered anything since
+    model.looked_up([Transfer("b", 0, 2.0, 2.0, 0, False)])  # a lookup it did not answer either
+    clock.now += 1
+    model.looked_up([Transfer("b", 0, 0.001, 0.001, 16, True)])  # resumed: it answers a lookup
+    probe = model.decide(4096, {"a": 0.5, "b": 0.5})
+    assert probe.admit and probe.probe and probe.refusal == Refusal.NODE_FAILING
+    assert not model.decide(4096, {"a": 0.5, "b": 0.5}).admit  # one probe at a time
+    model.loaded([_transfer("a", 2 << 20, 0.004), _transfer("b", 2 << 20, 0.004)])  # the probe loaded
+    after = model.decide(4096, {"a": 0.5, "b": 0.5})
+    assert after.admit and not after.probe
 
-    model = LoadCostModel(bytes_per_token=1024, timeout_s=5.0)
-    model.prefill_rate = 10_000.0  # 0.4 s to recompute 4096 tokens
-    model.loads_measured(nbytes=0, seconds=2.0, loads=1)  # abandoned after 2 s with nothing moved
-    assert model.bandwidth is None and model.latency == pytest.approx(2.0)
-    for _ in range(3 * PROBE_EVERY - 1):  # an async load's deadline is a prediction: it never counts towards a probe
-        model.deadline_s(4096)
-    decisions = [model.decide(4096) for _ in range(PROBE_EVERY)]
-    assert not any(d.admit for d in decisions[:-1]) and decisions[0].load_s == pytest.approx(2.0)
-    assert decisions[-1].admit  # every PROBE_EVERY-th refused load runs, to notice a recovery
-    model.loads_measured(nbytes=4096 * 1024, seconds=0.01, loads=1)  # the probe was fast
-    for _ in range(20):
-        model.loads_measured(nbytes=4096 * 1024, seconds=0.01, loads=1)
-    assert model.decide(4096).admit
+
+def test_a_node_that_keeps_failing_costs_one_probe_per_interval():
+    model, clock = _model(prefill_rate=20_000.0)
+    model.loaded([_transfer("a", 2 << 20, 0.004)])
+    probes = 0
+    for _ in range(40):  # 20 s of requests, two a second; "a" answers lookups but fails every load
+        clock.now += 0.5
+        model.looked_up([Transfer("a", 0, 0.001, 0.001, 16, True)])
+        decision = model.decide(4096, {"a": 1.0})
+        if decision.admit:
+            probes += 1
+            model.loaded([_transfer("a", 0, 2.0, ok=False)])
+        else:
+            assert decision.refusal == Refusal.NODE_FAILING
+    assert probes == pytest.approx(20 / PROBE_INTERVAL_S, abs=2)  # the first at once, then one per interval
+
+
+def test_a_slow_node_takes_a_majority_of_slow_loads_to_refuse_and_fast_ones_to_trust_again():
+    model, clock = _model(prefill_rate=20_000.0)
+    for _ in range(WINDOW):
+        model.loaded([_transfer("a", 4 << 20, 0.004)])
+    decisions = []
+    for _ in range(WINDOW):  # it slows down for good: 4 MiB in 1 s, every load
+        model.loaded([_transfer("a", 4 << 20, 1.0)])
+        decisions.append(model.decide(4096, {"a": 1.0}).admit)
+    assert decisions[:WINDOW // 2 - 1] == [True] * (WINDOW // 2 - 1) and not decisions[-1]
+    refused = model.decide(4096, {"a": 1.0})
+    assert refused.refusal == Refusal.SLOWER
+    clock.now += SAMPLE_TTL_S + 1  # what it measured long ago no longer counts
+    assert model.decide(4096, {"a": 1.0}).admit
 
 
 def test_admission_decides_once_per_request_however_often_vllm_asks(cluster):
@@ -251,13 +328,15 @@ def test_admission_decides_once_per_request_however_often_vllm_asks(cluster):
     try:
         tokens = np.random.default_rng(4).integers(10, 30_000, size=3 * CHUNK + 1).tolist()
         _store(client, request_keys(LAYOUT, tokens))
-        sched.cost.prefill_rate, sched.cost.bandwidth = 1e9, 1.0  # loading predicted hopeless
+        sched.cost.prefill.append(1e9)  # recomputing predicted instant, loading hopeless
+        for node_id in client.members:
+            sched.cost.loaded([Transfer(node_id, 1 << 20, 100.0, 0.0, 0, True)])
         request = _request("r", tokens)
         assert _poll(sched, request)[0] == 0
         for _ in range(20):  # a request waiting for blocks is asked again and again
             assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
         stats = sched.counters.take().data
-        assert stats["loads_refused"] == 1 and stats["lookups"] == 1
+        assert stats["loads_refused"] == {"slower": 1} and stats["lookups"] == 1
     finally:
         client.close()
 
