@@ -7,7 +7,8 @@ do, never a traceback.
   method, 401/403 for the token (``auth.py``).  The input itself is never echoed: it may be
   huge, binary, or hold values JSON cannot carry back (``1e400``).
 - What the cluster cannot do now: 503 (no view yet, etcd away for a write, no node, a node or a
-  query over its time; ``Retry-After`` where waiting helps), 502 when it answered an error.
+  query over its time, no node token for what asks the nodes; ``Retry-After`` where waiting
+  helps), 502 when it answered an error.
 - Anything else is a bug, answered 500 by ``middleware.GuardErrors``.
 
 5xx answers are logged at WARNING on ``kvring.admin.errors`` (except "no view yet", which the
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException
 from kvring.common.errors import KVRingError, MembershipError, NodeUnavailable, NoOwners
 
 from .cluster import NoContract
-from .queries import Busy
+from .queries import Busy, NoNodeToken
 from .settings import AdminSettings
 from .view import NoView
 
@@ -108,6 +109,10 @@ def install_error_handlers(app: FastAPI, settings: AdminSettings) -> None:
     @app.exception_handler(Busy)
     async def busy(_: Request, exc: Busy) -> JSONResponse:
         return error(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc), retry)
+
+    @app.exception_handler(NoNodeToken)
+    async def no_node_token(_: Request, exc: NoNodeToken) -> JSONResponse:
+        return error(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc), logged=False)  # `kvring admin` warned at start
 
     @app.exception_handler(MembershipError)
     async def etcd_down(_: Request, exc: MembershipError) -> JSONResponse:

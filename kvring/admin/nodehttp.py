@@ -8,7 +8,9 @@ pooling, name resolution on a worker thread, its hooks and logging): with both t
 the GIL with the serving loop, that CPU delayed every request the admin served.
 
 ``request_json`` raises ``NodeHTTPError`` for anything but a JSON answer with status 200 —
-no connection, a timeout, another status, an answer over ``MAX_ANSWER_BYTES``, or not JSON.
+no connection, a timeout, another status (in ``status``), an answer over ``MAX_ANSWER_BYTES``,
+or not JSON.  With ``token`` the request carries ``Authorization: Bearer <token>`` (the node
+token that ``/v1/present`` and ``/v1/flush`` require).
 """
 
 from __future__ import annotations
@@ -22,16 +24,23 @@ MAX_ANSWER_BYTES = 64 << 20
 
 
 class NodeHTTPError(Exception):
-    """A node's admin port did not give a JSON answer with status 200."""
+    """A node's admin port did not give a JSON answer with status 200 (``status``: the one it
+    gave, None when there was no HTTP answer at all)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
-async def request_json(base_url: str, method: str, path: str, body: Any = None, *, timeout: float) -> Any:
+async def request_json(base_url: str, method: str, path: str, body: Any = None, *, timeout: float,
+                       token: str | None = None) -> Any:
     """``method path`` on ``base_url`` (``http://host:port``) with ``body`` as JSON; the decoded answer."""
     url = urlsplit(base_url)
     if url.scheme != "http" or not url.hostname or not url.port:
         raise NodeHTTPError(f"{base_url!r} is not an http://host:port address")
     payload = b"" if body is None else json.dumps(body).encode()
-    head = (f"{method} {path} HTTP/1.0\r\nHost: {url.netloc}\r\nAccept: application/json\r\n"
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    head = (f"{method} {path} HTTP/1.0\r\nHost: {url.netloc}\r\nAccept: application/json\r\n{auth}"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
     try:
         async with asyncio.timeout(timeout):
@@ -65,7 +74,7 @@ def _parse(raw: bytes) -> Any:
         raise NodeHTTPError(f"not an HTTP answer: {raw[:80]!r}")
     status = int(status_line[1])
     if status != 200:
-        raise NodeHTTPError(f"HTTP {status}: {body[:200].decode(errors='replace').strip()}")
+        raise NodeHTTPError(f"HTTP {status}: {body[:200].decode(errors='replace').strip()}", status)
     try:
         return json.loads(body)
     except ValueError as exc:

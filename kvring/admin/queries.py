@@ -3,6 +3,11 @@
 - ``POST /v1/present`` (which keys a node holds; nothing is leased) for lookups and key owners;
 - ``POST /v1/flush`` (delete one namespace) for flushes.
 
+Both carry the cluster's node token (``AdminSettings.node_token``), which the nodes require for
+them.  Without one configured, ``holders`` and ``flush`` raise ``NoNodeToken`` (503) at once
+rather than ask nodes that would refuse; a node that refuses the token given (401 or 403) is
+logged at WARNING once, until it accepts it again.
+
 ``NodeQueries`` sends them from the queries thread (a ``LoopThread`` named
 ``kvring-admin-queries``, through ``nodehttp``); each node call waits at most ``node_timeout``,
 and a node that does not answer a presence query counts as holding nothing.  Presence queries
@@ -38,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 class Busy(KVRingError):
     """A query to the nodes did not finish within ``query_timeout`` (slow nodes, or too many queries)."""
+
+
+class NoNodeToken(KVRingError):
+    """The admin has no node token, so the nodes would refuse its presence queries and flushes."""
 
 
 class _PresenceBatcher:
@@ -109,6 +118,7 @@ class NodeQueries:
         self._slots = asyncio.Semaphore(settings.max_concurrent_queries)  # serving loop only
         self._in_flight = 0  # serving loop only
         self._batchers: dict[tuple[str, str], _PresenceBatcher] = {}  # queries thread only
+        self._refused_by: set[str] = set()  # nodes that refused the token, warned about; queries thread only
 
     def start(self) -> None:
         self.thread.start()
@@ -133,10 +143,18 @@ class NodeQueries:
         finally:
             self._in_flight -= 1
 
+    def _require_node_token(self, what: str) -> None:
+        if self.settings.node_token is None:
+            raise NoNodeToken(f"the {what} needs the nodes' admin ports, which require the cluster's node token, and "
+                              "this admin has none: start `kvring admin` with --node-token-file PATH or "
+                              "KVRING_NODE_TOKEN (`kvring up` prints the file; on Kubernetes it is the Secret "
+                              "<cluster>-node-token, key token)")
+
     async def holders(self, members: Mapping[str, NodeRecord], keys: Sequence[bytes],
-                      owners: Sequence[Sequence[str]]) -> list[list[str]]:
+                      owners: Sequence[Sequence[str]], what: str = "lookup") -> list[list[str]]:
         """Which members hold each key now: of its ``owners`` (ring order) those that hold it
         first, then any other member that holds it (a previous owner, right after a ring change)."""
+        self._require_node_token(what)
         if not keys:
             return []
         present = await self.thread.run(self._present_everywhere(list(members.values()), list(keys)))
@@ -148,15 +166,25 @@ class NodeQueries:
 
     async def flush(self, members: Mapping[str, NodeRecord], namespace: str) -> dict[str, int | str]:
         """Delete ``namespace`` on every member: chunks deleted per node, or why a node did not confirm."""
+        self._require_node_token("flush")
         return await self.thread.run(self._flush_everywhere(list(members.values()), namespace))
 
     # ---- the queries thread -------------------------------------------------------------------
 
     async def _post(self, rec: NodeRecord, path: str, body: dict) -> dict:
         try:
-            answer = await request_json(rec.admin_addr, "POST", path, body, timeout=self.settings.node_timeout)
+            answer = await request_json(rec.admin_addr, "POST", path, body, timeout=self.settings.node_timeout,
+                                        token=self.settings.node_token)
         except NodeHTTPError as exc:
+            if exc.status in (401, 403) and rec.node_id not in self._refused_by:
+                self._refused_by.add(rec.node_id)
+                logger.warning("node %s refuses this admin's node token (%s): its lookups count it as holding "
+                               "nothing and flushes fail there; give `kvring admin` the token the nodes run with",
+                               rec.node_id, exc)
             raise NodeUnavailable(f"node {rec.node_id}: {path}: {exc}") from None
+        if rec.node_id in self._refused_by:
+            self._refused_by.discard(rec.node_id)
+            logger.info("node %s accepts this admin's node token again", rec.node_id)
         if not isinstance(answer, dict):
             raise NodeUnavailable(f"node {rec.node_id}: {path} answered a JSON {type(answer).__name__}, not an object")
         return answer

@@ -139,7 +139,7 @@ async def owners(key_hex: str, cluster: ClusterHandle = Depends(cluster_of)) -> 
     view, age = cluster.view()
     owners_ = _ring_of(view, cluster.settings.etcd.cluster).owners(key)
     async with cluster.queries.slot("key owners query"):
-        held = (await cluster.queries.holders(view.members, [key], [owners_]))[0]
+        held = (await cluster.queries.holders(view.members, [key], [owners_], what="key owners query"))[0]
     return _answer(OwnersView(key=key.hex(), owners=owners_, held_by=held, ring_epoch=view.ring_epoch, view=age))
 
 
@@ -156,7 +156,8 @@ async def lookup(body: LookupIn, cluster: ClusterHandle = Depends(cluster_of),
     always recomputes the prompt's last token and loads whole vLLM blocks.
 
     The nodes are asked now (a bounded number of queries at a time; 503 past the admin's query
-    timeout); the ring comes from the cached view."""
+    timeout, or when the admin was started without the cluster's node token); the ring comes
+    from the cached view."""
     view, age = cluster.view()
     chunk_size = cluster.contract(view).chunk_size
     prefix.check(body, settings, chunk_size)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvring.common.units import format_size
 from kvring.membership.settings import EtcdSettings
 
 MIN_TOKEN_CHARS = 16
+MIN_NODE_TOKEN_CHARS = 32  # as the nodes require (cachenode.node.NodeConfig)
 
 
 @dataclass(frozen=True)
@@ -16,10 +17,15 @@ class AdminSettings:
 
     ``token`` guards the mutating endpoints (drain, flush): ``None`` disables them (they answer
     403 saying how to set one) — the API is never open by default.
+
+    ``node_token`` is the cluster's node token, a different credential: the admin sends it on its
+    presence queries and flushes to the nodes' admin ports, which refuse them without it.  With
+    ``None`` the endpoints that need those (lookup, key owners, flush) answer 503 saying so.
     """
 
     etcd: EtcdSettings
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
+    node_token: str | None = field(default=None, repr=False)
     # Seconds to wait for one node's admin port (its /stats, key queries, flushes); a node that
     # does not answer /stats in time is listed as unreachable.
     node_timeout: float = 2.0
@@ -50,6 +56,11 @@ class AdminSettings:
             if not self.token.isascii() or not self.token.isprintable() or " " in self.token:
                 raise ValueError("the admin token must be printable ASCII without spaces (it travels in an "
                                  "HTTP header)")
+        if self.node_token is not None and (len(self.node_token) < MIN_NODE_TOKEN_CHARS or not self.node_token.isascii()
+                                            or not self.node_token.isprintable() or " " in self.node_token):
+            raise ValueError(f"the node token must be at least {MIN_NODE_TOKEN_CHARS} printable ASCII characters "
+                             "without spaces, the one the cluster's nodes were started with (--node-token-file or "
+                             "KVRING_NODE_TOKEN)")
         for name in ("node_timeout", "view_interval", "view_timeout", "view_stale_after", "query_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive seconds, got {getattr(self, name)!r}")

@@ -4,7 +4,8 @@ session's real etcd and real node processes.
 ``admin_server(cluster, ...)`` starts one (module scope: stopped when the module's tests are
 done, or earlier by ``stop()``), waits until it answers ``/healthz`` and returns an
 ``AdminServer``: its URL, its pid (to read its memory from ``/proc``) and its log (stderr, kept
-in a file)."""
+in a file).  Started for a ``LocalCluster`` it gets that cluster's node token file, as ``kvring
+up`` gives it (``node_token=False``: none)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class AdminServer:
 
 def _start(etcd: str, cluster: str, log_path: Path, token: str | None, extra: tuple[str, ...]) -> AdminServer:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "KVRING_ADMIN_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k not in ("KVRING_ADMIN_TOKEN", "KVRING_NODE_TOKEN")}
     if token:
         env["KVRING_ADMIN_TOKEN"] = token
     with open(log_path, "wb") as log:
@@ -73,14 +74,17 @@ def _start(etcd: str, cluster: str, log_path: Path, token: str | None, extra: tu
 
 @pytest.fixture(scope="module")
 def admin_server(tmp_path_factory):
-    """``admin_server(cluster_or_etcd, cluster=None, token=TOKEN, *extra_cli_args)`` -> ``AdminServer``."""
+    """``admin_server(cluster_or_etcd, *extra_cli_args, cluster=None, token=TOKEN, node_token=True)``
+    -> ``AdminServer``."""
     started: list[AdminServer] = []
     logs = tmp_path_factory.mktemp("admin-logs")
 
     def start(where: LocalCluster | str, *extra: str, cluster: str | None = None,
-              token: str | None = TOKEN) -> AdminServer:
+              token: str | None = TOKEN, node_token: bool = True) -> AdminServer:
         etcd = where.etcd if isinstance(where, LocalCluster) else where
         name = cluster or (where.cluster if isinstance(where, LocalCluster) else "default")
+        if node_token and isinstance(where, LocalCluster):
+            extra = ("--node-token-file", str(where.node_token_file), *extra)
         server = _start(etcd, name, logs / f"admin-{len(started)}.log", token, extra)
         started.append(server)
         return server

@@ -255,6 +255,46 @@ def test_mutating_endpoints_are_off_without_a_configured_token(cluster, client, 
         AdminSettings(etcd=EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster), token="short")
 
 
+def test_without_the_node_token_what_asks_the_nodes_answers_503_and_changes_nothing(cluster, client, admin_server):
+    """The nodes' admin ports require the cluster's node token: an admin started without it says so
+    once at start, and lookups, key owners and flushes answer 503 naming the option."""
+    keys = [os.urandom(16) for _ in range(5)]
+    _put(client, keys, "kvring/v1/no-node-token")
+    server = admin_server(cluster, node_token=False)
+    with server.client() as api:
+        for method, path, body in (("GET", f"/v1/keys/{keys[0].hex()}/owners", None),
+                                   ("POST", "/v1/lookup", {"token_ids": list(range(300)), "namespace": "ns",
+                                                           "num_kv_heads": 1, "num_layers": 1}),
+                                   ("DELETE", "/v1/namespaces/kvring/v1/no-node-token", None)):
+            resp = api.request(method, path, json=body, headers=AUTH)
+            assert resp.status_code == 503, (path, resp.text)
+            assert "--node-token-file" in resp.json()["detail"] and "\n" not in resp.text
+        assert api.get("/v1/cluster").status_code == 200  # reads from the view need no node token
+    server.stop()
+    assert all(client.lookup(keys))
+    assert server.log().count("warning: no node token") == 1
+    with pytest.raises(ValueError, match="at least 32 printable ASCII"):
+        AdminSettings(etcd=EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster), node_token="short")
+
+
+def test_a_wrong_node_token_is_refused_by_the_nodes_and_flushes_nothing(cluster, client, admin_server, tmp_path):
+    keys = [os.urandom(16) for _ in range(10)]
+    _put(client, keys, "kvring/v1/wrong-node-token")
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("f" * 64)
+    server = admin_server(cluster, "--node-token-file", str(wrong), node_token=False)
+    with server.client() as api:
+        resp = api.delete("/v1/namespaces/kvring/v1/wrong-node-token", headers=AUTH)
+        assert resp.status_code == 502 and resp.json()["deleted"] == 0
+        assert set(resp.json()["failed"]) == {"node-0", "node-1", "node-2"}
+        assert all("HTTP 401" in why for why in resp.json()["failed"].values())
+        # Lookups count a node that refuses as holding nothing; the admin's log says why.
+        assert api.get(f"/v1/keys/{keys[0].hex()}/owners").json()["held_by"] == []
+    server.stop()
+    assert all(client.lookup(keys))
+    assert "refuses this admin's node token" in server.log()
+
+
 def test_flush_through_the_api_leaves_other_namespaces_alone(api, client):
     ns_a, ns_b = "kvring/v1/aaaa", "kvring/v1/bbbb"
     a, b, none = ([os.urandom(16) for _ in range(40)] for _ in range(3))
