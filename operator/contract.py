@@ -14,7 +14,7 @@ from typing import Any
 
 from kvring.common.contract import transfer_config
 
-from .naming import TLS_MOUNT, cluster_key, etcd_endpoints
+from .naming import TLS_MOUNT, cluster_key, etcd_endpoints, node_token_secret
 from .spec import ClusterSpec
 
 CONFIG_HASH_ANNOTATION = "kvring.io/config-hash"
@@ -22,6 +22,11 @@ TRANSFER_CONFIG_KEY = "kv-transfer-config"
 # Names the Secret holding this cluster's admin API token; the nodes do not use it, so changing
 # it does not roll them (it is left out of the config hash).
 ADMIN_SECRET_KEY = "admin-token-secret"
+# Names the Secret holding the cluster's node token (always <name>-node-token), for an admin API
+# deployment to read.  Left out of the config hash too: the nodes take the token from that Secret
+# through their environment at start, and the pod template names the Secret already.
+NODE_TOKEN_SECRET_KEY = "node-token-secret"
+NOT_HASHED = frozenset({ADMIN_SECRET_KEY, NODE_TOKEN_SECRET_KEY})
 
 
 def connector_config(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
@@ -38,13 +43,15 @@ def connector_json(name: str, namespace: str, spec: ClusterSpec) -> str:
 
 def config_data(name: str, namespace: str, spec: ClusterSpec) -> dict[str, str]:
     """The ConfigMap's data: connector settings, etcd, cluster name, hashing contract, and the
-    Secret with the admin API token (for an admin API deployment of this cluster to read)."""
+    Secrets with the admin API token and the node token (for an admin API deployment of this
+    cluster to read)."""
     contract = {"chunk_size": spec.chunk_size, "vnodes": spec.vnodes, "replication": spec.replication}
     data = {
         TRANSFER_CONFIG_KEY: connector_json(name, namespace, spec),
         "etcd": ",".join(etcd_endpoints(name, namespace, spec)),
         "cluster": cluster_key(name, namespace),
         "contract.json": json.dumps(contract, sort_keys=True),
+        NODE_TOKEN_SECRET_KEY: node_token_secret(name),
     }
     if spec.auth_secret:
         data[ADMIN_SECRET_KEY] = spec.auth_secret
@@ -53,5 +60,5 @@ def config_data(name: str, namespace: str, spec: ClusterSpec) -> dict[str, str]:
 
 def config_hash(data: dict[str, str]) -> str:
     """A short, stable digest of the ConfigMap data the nodes run with."""
-    node_facing = {k: v for k, v in data.items() if k != ADMIN_SECRET_KEY}
+    node_facing = {k: v for k, v in data.items() if k not in NOT_HASHED}
     return hashlib.sha256(json.dumps(node_facing, sort_keys=True).encode()).hexdigest()[:16]

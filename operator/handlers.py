@@ -7,7 +7,9 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
 - ``reconcile`` (create, resume, spec update): parse the spec (an invalid one gets the
   ``ConfigMismatch`` condition and a warning event and is left there: no retry loop, the cluster
   keeps its last good objects); plan replicas (a scale-in keeps the StatefulSet's size and asks
-  the leaving nodes to drain); render, adopt and create-or-patch every child.
+  the leaving nodes to drain); create the Secrets made once per cluster if they are missing
+  (``<name>-tls`` when TLS is on, ``<name>-node-token``), never rewriting them; render, adopt and
+  create-or-patch every other child.
 - ``observe`` (timer): read the StatefulSet, the members in etcd and the nodes' ``/stats``;
   finish a scale-in once its nodes are drained or its timeout passed; write ``status``.
 - ``cleanup`` (deletion, behind the operator's finalizer): delete the cluster's keys from etcd.
@@ -22,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -147,7 +150,12 @@ class CacheClusterHandlers:
 
         results = []
         if cs.tls:
-            results.append(("Secret", render.tls_secret(name), await self._ensure_tls_secret(name, namespace, body)))
+            results.append(("Secret", render.tls_secret(name), await self._ensure_secret(
+                namespace, body, render.tls_secret(name),
+                lambda: render.render_tls_secret(name, namespace, credentials_pem(f"{namespace}/{name}")))))
+        results.append(("Secret", render.node_token_secret(name), await self._ensure_secret(
+            namespace, body, render.node_token_secret(name),
+            lambda: render.render_node_token_secret(name, namespace, secrets.token_hex(32)))))
         for child in render.render_children(name, namespace, cs, replicas=plan.replicas):
             kopf.adopt(child, owner=body)
             try:
@@ -173,14 +181,17 @@ class CacheClusterHandlers:
                                               generation, st.now_iso()),
         })
 
-    async def _ensure_tls_secret(self, name: str, namespace: str, body: kopf.Body) -> str:
-        """Create ``<name>-tls`` with fresh credentials if it does not exist; never rewrite it
-        (new keys would cut every node off from every client until all had restarted)."""
+    async def _ensure_secret(self, namespace: str, body: kopf.Body, secret_name: str,
+                             make: Callable[[], dict[str, Any]]) -> str:
+        """Create the Secret ``secret_name`` from ``make()`` (fresh random content) if it does not
+        exist; never rewrite it.  For ``<name>-tls``, new keys would cut every node off from every
+        client until all had restarted; for ``<name>-node-token``, a new token would lock the admin
+        API and the preStop hooks out of the nodes that started with the old one."""
         assert self.kube is not None
         try:
-            if await self.kube.get("v1", "Secret", namespace, render.tls_secret(name)) is not None:
+            if await self.kube.get("v1", "Secret", namespace, secret_name) is not None:
                 return "unchanged"
-            secret = render.render_tls_secret(name, namespace, credentials_pem(f"{namespace}/{name}"))
+            secret = make()
             kopf.adopt(secret, owner=body)
             await self.kube.create(secret)
             return "created"

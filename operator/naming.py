@@ -41,6 +41,16 @@ def tls_secret(name: str) -> str:
 TLS_MOUNT = "/etc/kvring/tls"  # where nodes (and the chart's vLLM pods) mount that Secret
 
 
+def node_token_secret(name: str) -> str:
+    """``<name>-node-token``: the cluster's node token (key ``token``), which the nodes' admin
+    ports require for flush, drain and key queries; the nodes, their preStop hook and the admin
+    API read it from their environment (``KVRING_NODE_TOKEN``)."""
+    return f"{name}-node-token"
+
+
+NODE_TOKEN_KEY = "token"  # the key of the token in that Secret
+
+
 def etcd_name(name: str) -> str:
     """The managed etcd's StatefulSet and client Service."""
     return f"{name}-etcd"

@@ -11,6 +11,7 @@ from typing import Any
 from .contract import (
     ADMIN_SECRET_KEY,
     CONFIG_HASH_ANNOTATION,
+    NODE_TOKEN_SECRET_KEY,
     TRANSFER_CONFIG_KEY,
     config_data,
     config_hash,
@@ -22,6 +23,7 @@ from .naming import (
     etcd_endpoints,
     labels,
     node_id,
+    node_token_secret,
     nodes_service,
     selector,
     selector_labels,
@@ -34,6 +36,7 @@ from .render_nodes import (
     render_client_service,
     render_configmap,
     render_headless_service,
+    render_node_token_secret,
     render_pdb,
     render_statefulset,
     render_tls_secret,
@@ -41,11 +44,11 @@ from .render_nodes import (
 from .spec import ClusterSpec, check_name
 
 __all__ = [
-    "ADMIN_SECRET_KEY", "CONFIG_HASH_ANNOTATION", "TRANSFER_CONFIG_KEY", "cluster_key", "config_data", "config_hash",
-    "connector_config", "connector_json", "etcd_endpoints", "labels", "node_id", "node_resources",
-    "nodes_service", "pod_memory", "render_children", "render_client_service", "render_configmap",
-    "render_etcd", "render_headless_service", "render_pdb", "render_statefulset", "render_tls_secret", "selector",
-    "selector_labels", "tls_secret",
+    "ADMIN_SECRET_KEY", "CONFIG_HASH_ANNOTATION", "NODE_TOKEN_SECRET_KEY", "TRANSFER_CONFIG_KEY", "cluster_key",
+    "config_data", "config_hash", "connector_config", "connector_json", "etcd_endpoints", "labels", "node_id",
+    "node_resources", "node_token_secret", "nodes_service", "pod_memory", "render_children", "render_client_service",
+    "render_configmap", "render_etcd", "render_headless_service", "render_node_token_secret", "render_pdb",
+    "render_statefulset", "render_tls_secret", "selector", "selector_labels", "tls_secret",
 ]
 
 

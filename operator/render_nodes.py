@@ -1,4 +1,5 @@
-"""The objects that run a CacheCluster's cache nodes: StatefulSet, Services, ConfigMap, PDB.
+"""The objects that run a CacheCluster's cache nodes: StatefulSet, Services, ConfigMap, PDB, and
+the two Secrets the operator makes once per cluster (data-plane credentials, node token).
 
 Pure functions from a validated ``ClusterSpec`` to plain dicts (no owner references; the
 handlers add those).  Memory rule: the node's cache budget is ``memoryPerNode`` (``--memory``,
@@ -20,12 +21,14 @@ from typing import Any
 
 from .contract import CONFIG_HASH_ANNOTATION, config_data, config_hash
 from .naming import (
+    NODE_TOKEN_KEY,
     TLS_MOUNT,
     cluster_key,
     config_map,
     etcd_endpoints,
     labels,
     node_host,
+    node_token_secret,
     nodes_service,
     selector_labels,
     tls_secret,
@@ -79,10 +82,15 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
     ]
 
 
-ENV = [
-    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-    {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-]
+def node_env(name: str) -> list[dict[str, Any]]:
+    """The node container's environment: its pod's name and namespace, and the node token (which
+    ``kvring node`` and the preStop ``kvring drain`` both read from ``KVRING_NODE_TOKEN``)."""
+    return [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "KVRING_NODE_TOKEN",
+         "valueFrom": {"secretKeyRef": {"name": node_token_secret(name), "key": NODE_TOKEN_KEY}}},
+    ]
 
 
 def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
@@ -98,7 +106,7 @@ def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(ENTRY),
         "args": node_args(name, namespace, spec),
-        "env": copy.deepcopy(ENV),
+        "env": node_env(name),
         "ports": [{"name": "data", "containerPort": spec.data_port, "protocol": "TCP"},
                   {"name": "admin", "containerPort": spec.admin_port, "protocol": "TCP"},
                   {"name": "events", "containerPort": spec.events_port, "protocol": "TCP"},
@@ -215,6 +223,19 @@ def render_tls_secret(name: str, namespace: str, files: dict[str, bytes]) -> dic
         "metadata": {"name": tls_secret(name), "namespace": namespace, "labels": labels(name)},
         "type": "kubernetes.io/tls",
         "data": {key: base64.b64encode(value).decode() for key, value in sorted(files.items())},
+    }
+
+
+def render_node_token_secret(name: str, namespace: str, token: str) -> dict[str, Any]:
+    """``<name>-node-token``: the token the nodes' admin ports require (key ``token``), made once
+    when the Secret does not exist and never rewritten by the operator (running nodes keep the
+    token they started with; to rotate it, replace the Secret and restart the nodes and the admin)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": node_token_secret(name), "namespace": namespace, "labels": labels(name)},
+        "type": "Opaque",
+        "data": {NODE_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 

@@ -21,7 +21,7 @@ import yaml
 from crd_schema import CRD_PATH, ROOT, schema_errors
 
 from kvring.cli.main import app
-from kvring.operator.render import render_children
+from kvring.operator.render import render_children, render_node_token_secret
 from kvring.operator.spec import ClusterSpec, check_name
 
 HELM = ROOT / ".venv" / "bin" / "helm"
@@ -271,11 +271,23 @@ def test_admin_api_reads_its_cachecluster_and_token():
         assert configmap["data"][key]
     assert env["KVRING_ADMIN_TOKEN"] == {"secretKeyRef": {"name": "kv-admin", "key": "token"}}
     assert configmap["data"]["admin-token-secret"] == "kv-admin"
+    # The node token its lookups and flushes send to the nodes: the Secret the operator makes for
+    # this CacheCluster (and names in its ConfigMap), read by `kvring admin` from KVRING_NODE_TOKEN.
+    secret = render_node_token_secret("kv-cache", NAMESPACE, "x" * 64)
+    assert env["KVRING_NODE_TOKEN"] == {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}}
+    assert list(secret["data"]) == ["token"] and configmap["data"]["node-token-secret"] == secret["metadata"]["name"]
+    assert parse_cli(container["args"])["node_token_file"] is None  # so the variable is what it reads
     assert docs[("Service", "kv-kvring-admin")]["spec"]["ports"][0]["port"] == 8000
     # Without a token Secret the mutating endpoints are off, and no Secret is referenced.
     (bare,) = by_kind(template("--set", "cacheCluster.enabled=true", "--set", "admin.enabled=true"))[
         ("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]["containers"]
     assert "KVRING_ADMIN_TOKEN" not in {e["name"] for e in bare["env"]}
+    assert {e["name"]: e["valueFrom"] for e in bare["env"]}["KVRING_NODE_TOKEN"] == env["KVRING_NODE_TOKEN"]
+    # An admin for another CacheCluster reads that cluster's node token.
+    (other,) = by_kind(template("--set", "admin.enabled=true", "--set", "admin.cacheClusterName=team-cache"))[
+        ("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e["valueFrom"] for e in other["env"]}["KVRING_NODE_TOKEN"] == {
+        "secretKeyRef": {"name": "team-cache-node-token", "key": "token"}}
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -14,6 +14,7 @@ after their CacheCluster is deleted; a real cluster deletes them).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -127,6 +128,7 @@ def children(api: KubeAPI, name: str) -> dict[str, dict | None]:
         "ConfigMap": api.get(path("v1", "configmaps", f"{name}-config")),
         "PodDisruptionBudget": api.get(path("policy/v1", "poddisruptionbudgets", name)),
         "Secret": api.get(path("v1", "secrets", f"{name}-tls")),  # the data plane's credentials (tls: true)
+        "Secret node-token": api.get(path("v1", "secrets", f"{name}-node-token")),  # the nodes' admin ports' token
     }
 
 
@@ -179,6 +181,11 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
         assert args[args.index("--etcd") + 1] == etcd_server.endpoint
         assert args[args.index("--tls-dir") + 1] == "/etc/kvring/tls"
         assert sorted(objs["Secret"]["data"]) == ["ca.crt", "tls.crt", "tls.key"]
+        token = base64.b64decode(objs["Secret node-token"]["data"]["token"]).decode()
+        assert len(token) == 64 and int(token, 16) >= 0  # 32 random bytes, as hex
+        env = {e["name"]: e.get("valueFrom") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["KVRING_NODE_TOKEN"] == {"secretKeyRef": {"name": "cache-node-token", "key": "token"}}
+        assert objs["ConfigMap"]["data"]["node-token-secret"] == "cache-node-token"
         # The status carries the connector settings and a valid-spec condition.
         cr = cc_when(api, "cache", lambda o: o.get("status", {}).get("connector"), what="status.connector")
         assert f'"cluster":"{NS}.cache"' in cr["status"]["connector"]
@@ -187,7 +194,8 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
         versions = {k: o["metadata"]["resourceVersion"] for k, o in objs.items()}
 
     # A restarted operator resumes the object: create-or-patch finds nothing to change (and the
-    # credentials are never made anew: that would cut every node off from every client).
+    # credentials and the node token are never made anew: that would cut every node off from
+    # every client, and lock the admin API out of the nodes).
     with operator() as runner:
         time.sleep(1.5)  # the resume handler and a few status passes
         assert {k: o["metadata"]["resourceVersion"] for k, o in children(api, "cache").items()} == versions

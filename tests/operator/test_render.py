@@ -200,6 +200,62 @@ def test_the_tls_secret_holds_a_working_set_of_credentials(tmp_path):
     assert creds.server_context() and creds.client_context()
 
 
+def _secret_env(container: dict, secrets: list[dict]) -> dict[str, str]:
+    """The variables ``container`` takes from ``secrets``, as the kubelet would set them."""
+    import base64
+
+    data = {(s["metadata"]["name"], k): base64.b64decode(v).decode() for s in secrets for k, v in s["data"].items()}
+    return {e["name"]: data[ref["name"], ref["key"]] for e in container["env"]
+            if (ref := e.get("valueFrom", {}).get("secretKeyRef"))}
+
+
+@pytest.mark.parametrize("tls", [True, False])
+def test_nodes_take_the_node_token_from_its_secret_and_the_configmap_names_it(tls):
+    from kvring.operator.render import node_token_secret, render_node_token_secret
+
+    secret = render_node_token_secret("kv", "ns", "t" * 64)
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert (secret["metadata"]["name"], secret["type"]) == ("kv-node-token", "Opaque") == (node_token_secret("kv"),
+                                                                                           "Opaque")
+    assert secret["metadata"]["labels"] == {**SELECTOR, "app.kubernetes.io/managed-by": "kvring-operator"}
+    c = children(spec_of(tls=tls))
+    assert {"name": "KVRING_NODE_TOKEN", "valueFrom": {"secretKeyRef": {"name": "kv-node-token", "key": "token"}}} \
+        in ctr(c)["env"]
+    assert _secret_env(ctr(c), [secret]) == {"KVRING_NODE_TOKEN": "t" * 64}
+    assert c[("ConfigMap", "kv-config")]["data"]["node-token-secret"] == "kv-node-token"
+    assert ("--node-token-file" in ctr(c)["args"]) is False  # the node reads the variable
+
+
+def test_the_rendered_node_env_and_prestop_hook_drain_a_real_node(etcd_server, monkeypatch):
+    """The pod as rendered, run for real: a node given the Secret's token through the rendered
+    environment refuses a drain without it, and the rendered preStop command (same environment,
+    the node's address) drains it."""
+    import os
+    import subprocess
+    import sys
+
+    from kvring.local.cluster import NodeProcess
+    from kvring.operator.render import render_node_token_secret
+
+    container = ctr(children(spec_of()))
+    env = _secret_env(container, [render_node_token_secret("kv", "ns", "s" * 48)])
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)  # NodeProcess passes this process's environment on to the node
+    node = NodeProcess("prestop-0", 16 << 20, etcd_server.endpoint, "render-prestop").start()
+    monkeypatch.delenv("KVRING_NODE_TOKEN")
+    try:
+        command = [sys.executable, *container["lifecycle"]["preStop"]["exec"]["command"][1:]]
+        command[command.index("--admin") + 1] = node.admin_addr
+        command[command.index("--wait") + 1] = "20"
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "HTTP 401" in refused.stderr
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"{node.admin_addr} drained" in done.stdout
+    finally:
+        node.stop()
+
+
 def test_children_in_apply_order():
     managed = [(o["kind"], o["metadata"]["name"]) for o in render_children("kv", "ns", spec_of())]
     assert managed == [("ConfigMap", "kv-config"), ("Service", "kv-etcd-peer"), ("Service", "kv-etcd"),
