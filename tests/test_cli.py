@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -94,6 +96,86 @@ def test_up_serves_ring_and_stops_cleanly_on_sigterm():
         assert "stopped." in proc.stdout.read()
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"stray processes after kvring up stopped: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+
+
+def _request(url: str, method: str = "GET", body: dict | None = None,
+             headers: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else (b"" if method != "GET" else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_up_wires_the_node_token_into_its_nodes_its_admin_api_and_kvring_drain(tmp_path):
+    """`kvring up` makes a node token per cluster (a 0600 file in its run directory) and gives it to
+    its nodes and its admin API: a node refuses a flush or drain without it, `kvring drain` works
+    given the file or the variable, and the admin API's flush reaches every node."""
+    from kvring.cachenode.client import ClusterClient
+    from kvring.common.chunk import ChunkItem
+    from kvring.common.tls import ClusterCredentials
+
+    proc = subprocess.Popen([*KVRING, "up", "--nodes", "2", "--memory", "64MiB"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "200", "TMPDIR": str(tmp_path)})
+    lines = []
+    try:
+        while "Press Ctrl-C" not in (line := proc.stdout.readline()):
+            assert line, "kvring up exited early:\n" + "".join(lines)
+            lines.append(line)
+        text = "".join(lines)
+        etcd = re.search(r"etcd (127\.0\.0\.1:\d+)", text).group(1)
+        nodes = re.findall(r"admin (http://127\.0\.0\.1:\d+)/metrics", text)
+        token_file = re.search(r"--node-token-file (\S+)", text).group(1)
+        admin_api = re.search(r"Admin API: (http://127\.0\.0\.1:\d+)", text).group(1)
+        admin_auth = {"Authorization": "Bearer " + re.search(r"'Authorization: Bearer (\S+)'", text).group(1)}
+        credentials = re.search(r"credentials in (\S+)", text).group(1)
+        assert len(nodes) == 2 and token_file.startswith(f"{tmp_path}/kvring-up-")
+        assert os.stat(token_file).st_mode & 0o777 == 0o600
+        token = Path(token_file).read_text().strip()
+        assert len(token) >= 32
+
+        keys = [os.urandom(16) for _ in range(20)]
+        with ClusterClient(etcd, tls=ClusterCredentials.at(credentials)) as client:
+            assert client.wait_for_nodes(2)
+            data = bytes(64)
+            assert client.put_many([ChunkItem.of(k, data, [2, 32], "uint8", 8, "kvring/v1/cli") for k in keys]) \
+                == [1] * 20
+            # A node refuses a flush without the token, or with another: nothing is deleted.
+            for headers in ({}, {"Authorization": "Bearer " + "0" * 64}):
+                for node in nodes:
+                    status, answer = _request(f"{node}/v1/flush", "POST", {"namespace": "kvring/v1/cli"}, headers)
+                    assert status == 401 and "node token" in answer["error"]
+            assert client.lookup(keys) == [True] * 20
+
+            # kvring drain: refused without the token; drains with the file; withdrawn with the variable.
+            bare = {k: v for k, v in os.environ.items() if k != "KVRING_NODE_TOKEN"}
+            refused = subprocess.run([*KVRING, "drain", "--admin", nodes[0]], capture_output=True, text=True,
+                                     timeout=60, env=bare)
+            assert refused.returncode == 1 and "HTTP 401" in refused.stderr and "node token" in refused.stderr
+            done = subprocess.run([*KVRING, "drain", "--admin", nodes[0], "--node-token-file", token_file,
+                                   "--wait", "30"], capture_output=True, text=True, timeout=60, env=bare)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert f"{nodes[0]} drained" in done.stdout
+            undo = subprocess.run([*KVRING, "drain", "--admin", nodes[0], "--cancel"], capture_output=True,
+                                  text=True, timeout=60, env={**bare, "KVRING_NODE_TOKEN": token})
+            assert undo.returncode == 0, undo.stderr
+            assert client.wait_for_nodes(2, timeout=10, exact=True)
+
+            # The admin API that `kvring up` started holds the node token: its flush reaches every node.
+            status, answer = _request(f"{admin_api}/v1/namespaces/kvring/v1/cli", "DELETE", headers=admin_auth)
+            assert status == 200 and answer["deleted"] == 20 and answer["failed"] == {}, answer
+            assert not any(client.lookup(keys))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not os.path.exists(token_file)
     finally:
         if proc.poll() is None:
             proc.kill()
