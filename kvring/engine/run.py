@@ -29,7 +29,8 @@ SPEC (JSON)::
             "lora": NAME}                             # optional: run under that adapter
          | {"batch": [ITEM, ...]}                     # these prompts in one generate call (at once)
          | {"signal": [PID, "SIGSTOP"]}               # send a signal (e.g. stop a cache node)
-         | {"post": URL}                              # an HTTP POST (e.g. a node's fault injection)
+         | {"post": URL, "headers": {...}}            # an HTTP POST (e.g. a node's fault injection,
+                                                      #   with the cluster's node token in a header)
          | {"reset_cache": true}                      # reset_prefix_cache(reset_connector=True): what
                                                       #   vLLM does after an in-place weight update
          | {"wait_for": PATH, "timeout": 1800}        # wait until the file PATH exists (a driver's go)
@@ -369,7 +370,8 @@ def run(spec: dict) -> dict:
         if "post" in step:
             import urllib.request
 
-            with urllib.request.urlopen(urllib.request.Request(step["post"], method="POST"), timeout=10) as resp:
+            request = urllib.request.Request(step["post"], method="POST", headers=step.get("headers") or {})
+            with urllib.request.urlopen(request, timeout=10) as resp:
                 resp.read()
             continue
         if "reset_cache" in step:

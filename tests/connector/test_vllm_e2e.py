@@ -196,7 +196,8 @@ def _corrupt(cluster: LocalCluster, client: ClusterClient, key_hex: str) -> None
 
     owner = client.owners(bytes.fromhex(key_hex))[0]
     node = next(n for n in cluster.nodes if n.node_id == owner)
-    req = urllib.request.Request(f"{node.admin_addr}/debug/corrupt?key={key_hex}", method="POST")
+    req = urllib.request.Request(f"{node.admin_addr}/debug/corrupt?key={key_hex}", method="POST",
+                                 headers=cluster.node_auth)
     with urllib.request.urlopen(req, timeout=5) as resp:
         assert resp.status == 200
 

@@ -70,10 +70,10 @@ def runs(cluster, model, prompts, tmp_path_factory):
         {"tokens": prompts["tp2b"], "salt": "ref"}, {"tokens": prompts["tp2b"]},  # 0-1: TP 2 -> TP 2
         {"tokens": prompts["tp1"], "salt": "ref"}, {"tokens": prompts["tp1"]},  # 2-3: TP 1 -> TP 2
         {"tokens": prompts["tp2"], "salt": "ref"},  # 4
-        {"post": f"{stop.admin_addr}/debug/signal-on-get?signal=SIGSTOP"},
+        {"post": f"{stop.admin_addr}/debug/signal-on-get?signal=SIGSTOP", "headers": cluster.node_auth},
         {"tokens": prompts["tp2"]},  # 5: the first GET of its load stops a node
         {"signal": [stop.pid, "SIGCONT"]},
-        {"post": f"{die.admin_addr}/debug/signal-on-get?signal=SIGKILL"},
+        {"post": f"{die.admin_addr}/debug/signal-on-get?signal=SIGKILL", "headers": cluster.node_auth},
         {"tokens": prompts["tp2b"]}]})  # 6: the first GET of its load kills the other node
     assert die.proc.poll() is not None  # the node killed itself at that GET
     return out
