@@ -209,14 +209,18 @@ def test_slow_node_bench_reads_each_prompts_decision_from_the_counters_around_it
     n = 5
     computed = [{"tokens": [i], "ttft": 1.0, "cached": 0} for i in range(n)]
     recomputes = [{"tokens": [i], "ttft": 0.1 + i / 100, "cached": 0} for i in range(n)]
-    decided = [("loaded", 896), ("abandoned", 0), ("refused", 0), ("lookup past deadline", 0), ("loaded", 896)]
+    decided = [("loaded", 896), ("abandoned", 0), ("refused (node_failing)", 0), ("lookup past deadline", 0),
+               ("loaded", 896)]
     runs = [{"tokens": [i], "ttft": 0.05, "cached": cached} for i, (_, cached) in enumerate(decided)]
-    counters, c = [], {"hit_tokens": 0, "loads_abandoned": 0, "loads_refused": 0, "lookups_past_deadline": 0}
+    counters, c = [], {"hit_tokens": 0, "loads_abandoned": 0, "loads_refused": 0, "loads_refused:node_failing": 0,
+                       "lookups_past_deadline": 0}
     counters += [dict(c), dict(c)] + [dict(c) for _ in range(n)]  # warm-up, the batch, the recomputes
     for decision, cached in decided:
-        key = {"loaded": "hit_tokens", "abandoned": "loads_abandoned", "refused": "loads_refused",
+        key = {"loaded": "hit_tokens", "abandoned": "loads_abandoned", "refused (node_failing)": "loads_refused",
                "lookup past deadline": "lookups_past_deadline"}[decision]
         c[key] += cached or 1
+        if decision.startswith("refused"):
+            c["loads_refused:node_failing"] += 1  # the reason's own series (connector_counters)
         if decision == "abandoned":
             c["hit_tokens"] += 896  # an abandoned load was a hit first
         counters.append(dict(c))
@@ -227,7 +231,7 @@ def test_slow_node_bench_reads_each_prompts_decision_from_the_counters_around_it
     assert [row["phase"] for row in r["rows"]] == ["healthy", "slowed", "slowed", "slowed", "recovered"]
     assert [row["recompute_ttft"] for row in r["rows"]] == [x["ttft"] for x in recomputes]
     assert r["all_same_tokens"] and r["summary"]["slowed"]["decisions"] == {
-        "abandoned": 1, "lookup past deadline": 1, "refused": 1}
+        "abandoned": 1, "lookup past deadline": 1, "refused (node_failing)": 1}
 
 
 def test_bench_e2e_tp_sums_its_workers_loads_and_shows_both_tp_sizes(tmp_path):

@@ -14,7 +14,8 @@ three phases:
 
 Per prompt: what the connector did, read from its counters (``vllm:kvring_*``) before and after
 the prompt — ``loaded``, ``abandoned`` (the load overran its deadline; its blocks recomputed),
-``refused`` (admission predicted recomputing faster), ``lookup past deadline`` (a miss) — the
+``refused (slower)`` (admission predicted recomputing faster), ``refused (node_failing)`` (the
+node failed a load and no probe has succeeded since), ``lookup past deadline`` (a miss) — the
 tokens it loaded, its time to first token and that prompt's recompute time.
 """
 
@@ -105,8 +106,9 @@ def _decision(before: dict, after: dict) -> str:
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     if delta.get("lookups_past_deadline"):
         return "lookup past deadline"
-    if delta.get("loads_refused"):
-        return "refused"
+    for reason in ("node_failing", "slower"):
+        if delta.get(f"loads_refused:{reason}"):
+            return f"refused ({reason})"
     if delta.get("loads_abandoned"):
         return "abandoned"
     if delta.get("hit_tokens"):
@@ -230,7 +232,8 @@ def _plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = results["rows"]
-    colors = {"loaded": "tab:green", "refused": "tab:orange", "abandoned": "tab:red",
+    colors = {"loaded": "tab:green", "refused (slower)": "tab:orange", "refused (node_failing)": "tab:brown",
+              "abandoned": "tab:red",
               "lookup past deadline": "tab:purple", "miss": "tab:gray"}
     fig, ax = plt.subplots(figsize=(8, 4))
     for d, color in colors.items():

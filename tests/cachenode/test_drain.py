@@ -113,14 +113,15 @@ def test_drain_over_the_admin_port_with_the_cli_then_cancel(cluster_factory):
         _put(client, chunks)
         assert _stats(target)["chunks"] > 0
 
-        done = _kvring("drain", "--admin", target.admin_addr, "--wait", "30")
+        token = ("--node-token-file", str(cluster.node_token_file))  # the node's POST /drain needs it
+        done = _kvring("drain", "--admin", target.admin_addr, *token, "--wait", "30")
         assert done.returncode == 0, done.stderr
         assert f"{target.admin_addr} drained" in done.stdout
         assert _stats(target)["chunks"] == 0 and _state(cluster, target.node_id) == "drained"
         assert _stats(target)["drain"]["requested_by"] == ["http"]
         _all_readable(cluster, chunks)
 
-        undo = _kvring("drain", "--admin", target.admin_addr, "--cancel")
+        undo = _kvring("drain", "--admin", target.admin_addr, *token, "--cancel")
         assert undo.returncode == 0, undo.stderr
         wait_for(lambda: _state(cluster, target.node_id) == "active", 5, "the node to be active again")
         assert client.wait_for_nodes(2, timeout=5, exact=True)
