@@ -16,6 +16,13 @@ receive buffer.  ``FrameLimits`` bound what a reader accepts *from the prefix al
 any allocation: the header's size, the payload count, each payload's and all payloads' size.
 A violation raises ``FramingError`` with the ``ErrorCode`` to answer with; the stream cannot be
 resynchronised after it, so the connection is closed.
+
+A reader's memory follows what arrived, never what a prefix declared: its receive buffer is
+taken at the first read (``FIRST_BUFFER``), doubles after each recv that filled it (up to
+``RECV_BUFFER``) and can be let go while it holds nothing (``trim``); a large header is gathered
+as its bytes arrive; a large payload's own buffer is taken once its first byte is here.
+``held`` is what the reader holds of messages not yet complete, for a server that bounds the
+total (``server.py``).
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ from kvring.common.errors import ErrorCode, KVRingError
 
 MAGIC = b"KVR1"
 PREFIX = struct.Struct("<4sIHI")
-RECV_BUFFER = 256 << 10  # a reader's receive buffer: many small messages per recv
-_DIRECT = 64 << 10  # segments this large are read straight into a buffer of their own
+RECV_BUFFER = 256 << 10  # the most a receive buffer grows to: many small messages per recv
+FIRST_BUFFER = 16 << 10  # a receive buffer's size at a connection's first read
+_DIRECT = 64 << 10  # segments this large are not waited for in the receive buffer (see FrameReader)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # A non-blocking socket (plain or TLS) that cannot move bytes now.
 WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
@@ -128,24 +136,49 @@ class SendQueue:
 
 
 class FrameReader:
-    """Incremental parser of the messages arriving on one socket (see the module docstring)."""
+    """Incremental parser of the messages arriving on one socket (see the module docstring).
+
+    A segment (header or payload) under ``_DIRECT`` bytes is waited for in the receive buffer and
+    copied out whole.  A larger header is gathered into a bytearray of its own as its bytes
+    arrive; a larger payload goes into ``allocate(size)`` once its first byte is here, and the
+    rest of it is read straight from the socket into that buffer."""
 
     def __init__(self, limits: FrameLimits, bufsize: int = RECV_BUFFER,
                  allocate: Callable[[int], np.ndarray] | None = None) -> None:
+        assert bufsize >= 2 * _DIRECT, "a receive buffer must hold a small segment and the prefix before it"
         self.limits = limits
         # Where a payload read straight from the socket lands (a node reuses evicted buffers).
         self.allocate = allocate or _empty
-        self._buf = bytearray(bufsize)
-        self._view = memoryview(self._buf)
+        self._max = bufsize
+        self._buf: np.ndarray | None = None  # taken at the first read; let go by ``trim``
+        self._view: memoryview | None = None
         self._start = 0  # parsed up to here
         self._end = 0  # received up to here
-        # A message whose body is being read: its segment sizes, the buffers filled so far, and
-        # the one being filled straight from the socket (with its fill offset).
+        self._hungry = False  # the last recv filled the buffer: it doubles before the next
+        # A message whose body is being read: its segment sizes, the segments complete so far
+        # (and their bytes), a large header being gathered, and the large payload being filled
+        # straight from the socket (with its fill offset).
         self._sizes: list[int] | None = None
         self._parts: list = []
+        self._kept = 0
+        self._gather: bytearray | None = None
         self._target: np.ndarray | None = None
         self._filled = 0
         self.received = 0  # bytes the last ``read`` got (0: nothing was there)
+
+    @property
+    def held(self) -> int:
+        """Bytes received of messages not complete yet (buffered, gathered or in their payloads)."""
+        gathered = len(self._gather) if self._gather is not None else 0
+        return self._end - self._start + self._kept + gathered + self._filled
+
+    def trim(self) -> None:
+        """Let the receive buffer go if it holds nothing (an idle connection); the next read
+        takes a fresh ``FIRST_BUFFER``."""
+        if self._start == self._end:
+            self._buf = self._view = None
+            self._start = self._end = 0
+            self._hungry = False
 
     def read(self, sock: socket.socket) -> list[Message]:
         """One ``recv_into`` (the socket is non-blocking) and every message it completes; over
@@ -163,13 +196,13 @@ class FrameReader:
         return messages
 
     def _read_once(self, sock: socket.socket) -> list[Message]:
+        target = self._target
         try:
-            if self._target is not None:
-                n = sock.recv_into(memoryview(self._target)[self._filled:])
+            if target is not None:
+                n = sock.recv_into(memoryview(target)[self._filled:])
             else:
-                if self._end == len(self._buf):
-                    self._compact()
-                n = sock.recv_into(self._view[self._end:])
+                room = self._room()
+                n = sock.recv_into(room)
         except WOULD_BLOCK:
             self.received = 0
             return []
@@ -178,55 +211,91 @@ class FrameReader:
         self.received = n
         if n == 0:
             raise ConnectionClosed("connection closed by the peer")
-        if self._target is not None:
+        if target is not None:
             self._filled += n
-            if self._filled < len(self._target):
+            if self._filled < len(target):
                 return []
-            self._parts.append(self._target)
-            self._target = None
+            self._parts.append(target)
+            self._kept += len(target)
+            self._target, self._filled = None, 0
         else:
+            self._hungry = n == room.nbytes
             self._end += n
         return self._parse()
 
-    def _compact(self) -> None:
+    def _room(self) -> memoryview:
+        """The free end of the receive buffer: taken at the first read, doubled after a recv
+        that filled it, compacted when full at its largest."""
+        buf = self._buf
+        if buf is None:
+            self._resize(min(FIRST_BUFFER, self._max))
+        elif self._hungry and len(buf) < self._max:
+            self._resize(min(2 * len(buf), self._max))
+        elif self._end == len(buf):
+            self._resize(len(buf))
+        # Never full of one incomplete segment: a waited-for segment is under _DIRECT bytes, and
+        # the payload lengths before it under ``self._max - _DIRECT`` (see ``_parse_prefix``).
+        assert self._end < len(self._buf)
+        return self._view[self._end:]
+
+    def _resize(self, size: int) -> None:
+        """Move the unparsed bytes to the start of a buffer of ``size`` bytes (this one if it is
+        that size already)."""
         pending = self._end - self._start
-        self._buf[:pending] = self._buf[self._start:self._end]
+        if self._buf is not None and size == len(self._buf):
+            self._buf[:pending] = self._buf[self._start:self._end]
+        else:
+            buf = _empty(size)
+            if pending:
+                buf[:pending] = self._buf[self._start:self._end]
+            self._buf, self._view = buf, memoryview(buf)
         self._start, self._end = 0, pending
 
     def _parse(self) -> list[Message]:
         out: list[Message] = []
-        while True:
-            if self._sizes is None and not self._parse_prefix():
-                return out
-            # Fill the body's segments in order: from the buffer, then (for a large one) the socket.
-            while len(self._parts) < len(self._sizes):
-                index = len(self._parts)
-                size = self._sizes[index]
-                have = self._end - self._start
-                if size >= _DIRECT:  # large: a buffer of its own, filled straight from the socket
-                    # (not zero-filled: every byte is read into it)
-                    target = self.allocate(size) if index else bytearray(size)
-                    n = min(have, size)
-                    target[:n] = self._view[self._start:self._start + n]
-                    self._start += n
-                    if n == size:
-                        self._parts.append(target)
-                        continue
-                    self._start = self._end = 0
-                    self._target, self._filled = target, n
-                    return out
-                if have >= size:  # small and all here: copied out of the receive buffer
-                    self._parts.append(bytearray(self._view[self._start:self._start + size]))
-                    self._start += size
-                    continue
-                if self._start + size > len(self._buf):
-                    self._compact()
-                return out
+        while (self._sizes is not None or self._parse_prefix()) and self._fill():
             header, *payloads = self._parts
             out.append(Message(header, payloads))
-            self._sizes, self._parts = None, []
-            if self._start == self._end:
-                self._start = self._end = 0
+            self._sizes, self._parts, self._kept = None, [], 0
+        if self._start == self._end:
+            self._start = self._end = 0
+        return out
+
+    def _fill(self) -> bool:
+        """Take the body's segments out of the receive buffer, in order; whether all are here."""
+        sizes, parts, view = self._sizes, self._parts, self._view
+        while len(parts) < len(sizes):
+            index = len(parts)
+            size = sizes[index]
+            have = self._end - self._start
+            if size < _DIRECT:  # small: waited for here, then copied out whole
+                if have < size:
+                    return False
+                part = bytearray(view[self._start:self._start + size]) if size else bytearray()
+                self._start += size
+            elif index == 0:  # a large header: gathered as it arrives, never allocated up front
+                if self._gather is None:
+                    self._gather = bytearray()
+                n = min(have, size - len(self._gather))
+                if n:
+                    self._gather += view[self._start:self._start + n]
+                    self._start += n
+                if len(self._gather) < size:
+                    return False
+                part, self._gather = self._gather, None
+            else:  # a large payload: a buffer of its own once its first byte is here
+                if not have:
+                    return False
+                part = self.allocate(size)  # not zero-filled: every byte is read into it
+                n = min(have, size)
+                part[:n] = view[self._start:self._start + n]
+                self._start += n
+                if n < size:  # the rest straight from the socket (the receive buffer is empty now)
+                    self._target, self._filled = part, n
+                    return False
+            parts.append(part)
+            self._kept += size
+        return True
 
     def _parse_prefix(self) -> bool:
         have = self._end - self._start
@@ -241,9 +310,9 @@ class FrameReader:
         if count > limits.max_payloads:
             raise FramingError(f"{count} payload frames; at most {limits.max_payloads} allowed here",
                                ErrorCode.FRAME_COUNT)
+        if PREFIX.size + 8 * count > self._max - _DIRECT:
+            raise FramingError(f"{count} payload frames do not fit a receive buffer", ErrorCode.FRAME_COUNT)
         if have < PREFIX.size + 8 * count:
-            if PREFIX.size + 8 * count > len(self._buf):
-                raise FramingError(f"{count} payload frames do not fit a receive buffer", ErrorCode.FRAME_COUNT)
             return False
         lengths = struct.unpack_from(f"<{count}Q", self._buf, self._start + PREFIX.size) if count else ()
         for n in lengths:
@@ -256,4 +325,5 @@ class FrameReader:
         self._start += PREFIX.size + 8 * count
         self._sizes = [header_len, *lengths]
         self._parts = []
+        self._kept = 0
         return True

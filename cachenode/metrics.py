@@ -39,6 +39,32 @@ class NodeMetrics:
                                "cluster credentials, or plain text)", registry=r)
         self.refused_count = 0
 
+    def watch_server(self, server) -> None:
+        """Gauges of what peers hold of the data port (``server.Server``): read when scraped."""
+        r = self.registry
+        for name, doc, read in (
+            ("kvring_node_connections", "Open data-port connections", lambda: len(server.conns)),
+            ("kvring_node_partial_bytes", "Bytes of partly received messages held (within --receive-budget)",
+             lambda: server.held),
+            ("kvring_node_receive_budget_bytes", "The budget for partly received messages",
+             lambda: server.receive_budget),
+            ("kvring_node_connections_paused", "Connections not read until the receive budget has room",
+             lambda: server.paused),
+            ("kvring_node_connections_timed_out_total", "Connections closed for silence in the middle of a message "
+             "(or of a TLS handshake)", lambda: server.timed_out),
+            ("kvring_node_connections_shed_total", "Idle connections closed to make room for new ones",
+             lambda: server.shed),
+            ("kvring_node_accept_failures_total", "Accepts that failed (out of descriptors, mostly)",
+             lambda: server.accept_failures),
+            ("kvring_node_accept_pauses_total", "Times the node stopped accepting for a while (at its connection "
+             "limit with nothing to shed, or after a failed accept)", lambda: server.accept_pauses),
+            ("kvring_node_descriptor_limit", "The process's file-descriptor limit (RLIMIT_NOFILE)",
+             lambda: server.descriptor_limit),
+            ("kvring_node_connection_limit", "Connections accepted at most (the descriptor limit less a reserve)",
+             lambda: server.connection_limit),
+        ):
+            Gauge(name, doc, registry=r).set_function(read)
+
     def refuse(self) -> None:
         self.refused.inc()
         self.refused_count += 1

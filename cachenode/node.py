@@ -79,6 +79,8 @@ class NodeConfig:
     drain_poll: float = 1.0  # seconds before the drain key is read again after its watch broke
     self_check_interval: float = 5.0  # seconds between PINGs of its own data plane (0: no check)
     self_check_failures: int = 3  # PINGs missed in a row that take the node off the ring
+    receive_budget: int = 32 << 20  # bytes of partly received messages held in all (server.py)
+    receive_timeout: float = 10.0  # seconds a connection may stay silent in the middle of a message
     # Testing only: POST /debug/corrupt?key=HEX (from loopback) flips a stored byte, so tests can
     # show that a corrupt chunk is never loaded. Off unless --fault-injection is given.
     fault_injection: bool = False
@@ -106,6 +108,10 @@ class NodeConfig:
             raise ValueError("--repair-interval must be positive seconds")
         if self.self_check_interval < 0 or self.self_check_failures < 1:
             raise ValueError("--self-check-interval must be 0 (off) or positive seconds, failures at least 1")
+        if self.receive_budget < 1 << 20:
+            raise ValueError("--receive-budget must be at least 1MiB, e.g. --receive-budget 32MiB")
+        if not self.receive_timeout > 0:
+            raise ValueError("--receive-timeout must be positive seconds, e.g. --receive-timeout 10")
         if not self.drain_poll > 0:
             raise ValueError("drain_poll must be positive seconds")
         if self.node_token is not None and (len(self.node_token) < MIN_NODE_TOKEN_CHARS or not self.node_token.isascii()
@@ -131,7 +137,9 @@ class CacheNode:
                              max_total=config.max_chunk_bytes)
         self.server = Server(config.host, config.data_port, handler=lambda conn, msg: None, limits=limits,
                              allocate=self.buffers.take,
-                             tls=config.tls.server_context() if config.tls is not None else None)
+                             tls=config.tls.server_context() if config.tls is not None else None,
+                             receive_budget=config.receive_budget, receive_timeout=config.receive_timeout)
+        self.metrics.watch_server(self.server)
         self.data_port = self.server.port
         self.dispatcher = Dispatcher(config.node_id, self.store, self.metrics, self.server,
                                      config.max_chunk_bytes, self.stats)
@@ -167,7 +175,8 @@ class CacheNode:
         if self.config.self_check_interval > 0:
             interval = self.config.self_check_interval
             check = SelfCheck(lambda: self.record, self._data_plane_health, interval,
-                              self.config.self_check_failures, timeout=min(2.0, interval), tls=client_tls)
+                              self.config.self_check_failures, timeout=min(2.0, interval), tls=client_tls,
+                              on_connect=self.server.keep_peer)
         self.registration = Registration(self.config.etcd, self.record, self.config.contract,
                                          self.config.lease_ttl, self.drain, self.config.drain_poll, check,
                                          tls=client_tls)
@@ -252,6 +261,17 @@ class CacheNode:
             "namespaces": len(self.store.namespaces()),
             "drain": self.drain.status(),
             "connections": len(self.server.conns),
+            # What peers hold of the node (server.py): partly received messages within the budget,
+            # connections paused for it or closed for silence, and descriptors.
+            "partial_bytes": self.server.held,
+            "receive_budget": self.server.receive_budget,
+            "connections_paused": self.server.paused,
+            "connections_timed_out": self.server.timed_out,
+            "connections_shed": self.server.shed,
+            "accept_failures": self.server.accept_failures,
+            "accept_pauses": self.server.accept_pauses,
+            "descriptor_limit": self.server.descriptor_limit,
+            "connection_limit": self.server.connection_limit,
             "tls": self.config.tls is not None,
             "tls_refused": self.metrics.refused_count,
             "kv_events": self.events.publisher.stats() if self.events else None,

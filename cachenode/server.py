@@ -2,8 +2,8 @@
 
 Threading contract: ``serve_forever`` (an ``epoll`` loop) runs on the node's I/O thread, and everything here (the
 connections, the handler it calls, the store behind it) is owned by that thread.  Other
-threads reach it only through ``call`` (run a function on the loop and wait for its result)
-and ``stop``; both wake the loop through a socket pair.
+threads reach it only through ``call`` (run a function on the loop and wait for its result),
+``stop`` and ``keep_peer``; the first two wake the loop through a socket pair.
 
 Per connection, the loop reads with a ``FrameReader`` (bounded by ``FrameLimits`` before any
 allocation) and hands each complete message to the handler, which answers with ``send``
@@ -12,11 +12,36 @@ produced only while the connection's send queue is below ``SEND_WATERMARK``).  S
 gigabytes costs the node a bounded queue of zero-copy views, a client that stops reading stalls
 only itself, and each turn of the loop gives every streaming connection a slice before it
 looks at the sockets again: no request holds the loop for long, however large its reply.
+
+What peers send costs the node what arrived, bounded in total:
+
+- Partly received messages (``FrameReader.held``) share ``receive_budget`` bytes.  Past it, a
+  connection whose message is still incomplete stops being read (``paused``: its bytes wait in
+  the kernel, and its peer's sends block) -- unless no other connection with an incomplete
+  message is being read, so one message larger than the budget, or the last one standing,
+  always gets through.  Paused connections are read again, oldest first, as the budget frees.
+  The total stays within the budget plus one receive buffer per connection that crossed it.
+- A connection silent for ``receive_timeout`` seconds in the middle of a message or of its TLS
+  handshake is closed (time it spent not being read by the node's choice does not count).
+  Idle receive buffers are let go (``FrameReader.trim``).
+- Descriptors: the node accepts at most ``connection_limit`` connections, its descriptor limit
+  (``RLIMIT_NOFILE``, read again every sweep) less ``FD_RESERVE`` for the rest of the process
+  (etcd, the admin HTTP port, the self-check, hand-off, KV events), so those never starve.  At
+  that limit, or when an accept fails anyway for lack of descriptors (EMFILE, ENFILE), it sheds
+  idle connections (no partial message, nothing to send, no stream), least recently active
+  first, then half-open ones silent for ``SHED_SILENT`` seconds; with nothing to shed it stops
+  accepting for a while (the listener leaves the epoll set for 10 ms, doubling up to 1 s, so a
+  readable listener cannot spin the loop).  The node's own self-check connection
+  (``keep_peer``) is never shed, so it keeps answering it and stays on the ring.  What happened
+  is logged as one summary line per ``LOG_EVERY`` seconds at most, and counted (``stats``).
 """
 
 from __future__ import annotations
 
+import errno
+import heapq
 import logging
+import resource
 import select
 import socket
 import ssl
@@ -32,6 +57,11 @@ logger = logging.getLogger(__name__)
 SEND_WATERMARK = 4 << 20  # bytes queued on a connection before its streams pause
 SLICE_SECONDS = 0.005  # a streaming connection's share of one loop turn
 MAX_CONNECTIONS = 4096
+FD_RESERVE = 128  # descriptors left to the rest of the process (at most half the limit)
+ACCEPT_PAUSE = (0.01, 1.0)  # the first and the longest pause of accepting, doubling in between
+SHED_SILENT = 1.0  # seconds a half-open connection must have been silent to be shed
+LOG_EVERY = 10.0  # seconds between summaries of refused or shed connections
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 Frames = list  # the buffers of one framed message (see ``framing.pack``)
 
@@ -39,9 +69,10 @@ Frames = list  # the buffers of one framed message (see ``framing.pack``)
 class Connection:
     """One client connection: its reader, its send queue and its streamed replies."""
 
-    __slots__ = ("sock", "peer", "reader", "out", "streams", "closing", "events", "handshaking")
+    __slots__ = ("sock", "peer", "reader", "out", "streams", "closing", "events", "handshaking", "held", "paused",
+                 "active")
 
-    def __init__(self, sock: socket.socket, peer: str, limits: FrameLimits, allocate) -> None:
+    def __init__(self, sock: socket.socket, peer: str, limits: FrameLimits, allocate, now: float) -> None:
         self.sock = sock
         self.handshaking = isinstance(sock, ssl.SSLSocket)  # a TLS handshake is still under way
         self.peer = peer
@@ -50,16 +81,27 @@ class Connection:
         self.streams: deque[Iterator[Frames]] = deque()
         self.closing = False  # close once ``out`` is written (after a framing error)
         self.events = select.EPOLLIN  # what the loop watches for
+        self.held = 0  # bytes of an incomplete message, as last counted in the server's total
+        self.paused = False  # not read until the receive budget has room
+        self.active = now  # monotonic time of its last bytes received (or of being read again)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing under way: no partial message, nothing to send, no stream, no handshake."""
+        return not (self.held or self.out or self.streams or self.handshaking or self.closing)
 
 
 class Server:
     def __init__(self, host: str, port: int, handler: Callable[[Connection, Message], None],
                  limits: FrameLimits, allocate: Callable[[int], object] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, receive_budget: int = 32 << 20,
+                 receive_timeout: float = 10.0) -> None:
         self.handler = handler
         self.tls = tls  # the cluster's credentials: every connection must complete a TLS handshake
         self.limits = limits
         self.allocate = allocate  # where large payloads are read into (see ``FrameReader``)
+        self.receive_budget = receive_budget
+        self.receive_timeout = receive_timeout
         self.listener = socket.create_server((host, port), backlog=512, reuse_port=False)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -78,6 +120,33 @@ class Server:
         # answers with the error's code there).
         self.on_framing_error: Callable[[Connection, FramingError], None] = lambda conn, exc: None
         self.on_refused: Callable[[Connection, Exception], None] = lambda conn, exc: None  # a failed TLS handshake
+        # The receive budget: bytes held by incomplete messages, the connections holding some
+        # that are read, and those paused (oldest first).
+        self.held = 0
+        self._partial: set[Connection] = set()
+        self._paused: dict[Connection, None] = {}
+        self.own_peers: frozenset[str] = frozenset()  # never shed (``keep_peer``)
+        self.descriptor_limit = 0
+        self.connection_limit = 0
+        self._read_descriptor_limit()
+        self._accept_at: float | None = None  # while accepting is paused: when it resumes
+        self._accept_pause = ACCEPT_PAUSE[0]
+        self._sweep_every = min(1.0, receive_timeout / 4)
+        self._next_sweep = time.monotonic() + self._sweep_every
+        # Totals (``/stats``, metrics) and what the last summary line reported of them.
+        self.accept_failures = 0  # accepts that failed (for lack of descriptors, mostly)
+        self.accept_pauses = 0  # times accepting was paused
+        self.shed = 0  # connections closed to make room
+        self.timed_out = 0  # connections closed for silence in the middle of a message
+        self.paused_total = 0  # times a connection was paused for the receive budget
+        self._last_error = ""
+        self._reported = (0, 0, 0, 0)
+        self._reported_at = time.monotonic()
+
+    @property
+    def paused(self) -> int:
+        """Connections not read now, waiting for room in the receive budget."""
+        return len(self._paused)
 
     # ---- other threads ---------------------------------------------------------------------
 
@@ -92,6 +161,11 @@ class Server:
         self._stopping = True
         self._wake()
 
+    def keep_peer(self, peer: str) -> None:
+        """Never shed the connection from ``peer`` ("host:port"): the node's own self-check,
+        which must keep answering when descriptors run out (any thread)."""
+        self.own_peers = frozenset({peer})
+
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"\0")
@@ -104,8 +178,12 @@ class Server:
         listener, wake, by_fd = self.listener.fileno(), self._wake_r.fileno(), self._by_fd
         try:
             while not self._stopping:
-                timeout = 0 if self._streaming and self._runnable() else 0.5
-                for fd, mask in self.epoll.poll(timeout):
+                if self._streaming and self._runnable():
+                    timeout = 0.0
+                else:  # until the next sweep, or until accepting resumes
+                    now = time.monotonic()
+                    timeout = min(now + 0.5, self._next_sweep, self._accept_at or self._next_sweep) - now
+                for fd, mask in self.epoll.poll(max(timeout, 0.0)):
                     conn = by_fd.get(fd)
                     if conn is not None:
                         if conn.handshaking:
@@ -114,13 +192,24 @@ class Server:
                         if mask & select.EPOLLOUT:
                             self._flush(conn)
                         if mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and conn in self.conns:
-                            self._read(conn)
+                            if not conn.paused:
+                                self._read(conn)
+                            elif mask & (select.EPOLLHUP | select.EPOLLERR):  # gone while paused
+                                self._close(conn)
                     elif fd == listener:
                         self._accept()
                     elif fd == wake:
                         self._run_calls()
                 if self._streaming:
                     self._run_streams()
+                if self._paused:
+                    self._resume()
+                now = time.monotonic()
+                if self._accept_at is not None and now >= self._accept_at:
+                    self._accept_at = None
+                    self.epoll.modify(listener, select.EPOLLIN)
+                if now >= self._next_sweep:
+                    self._sweep(now)
         finally:
             for conn in list(self.conns):
                 self._close(conn)
@@ -129,30 +218,73 @@ class Server:
             self._wake_r.close()
             self._wake_w.close()
 
+    # ---- accepting ------------------------------------------------------------------------
+
     def _accept(self) -> None:
         for _ in range(64):
+            if len(self.conns) >= self.connection_limit and not self._shed():
+                self._pause_accepting()
+                return
             try:
                 sock, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. out of file descriptors: the client retries
-                logger.warning("cannot accept a connection: %s", exc)
-                return
-            if len(self.conns) >= MAX_CONNECTIONS:
-                sock.close()
-                logger.warning("refused a connection: %d open already", MAX_CONNECTIONS)
+            except ConnectionAbortedError:  # the peer gave up while queued
                 continue
+            except OSError as exc:  # out of descriptors (or kernel memory): no spinning on it
+                self.accept_failures += 1
+                self._last_error = str(exc)
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    self._read_descriptor_limit()
+                    self._shed()
+                self._pause_accepting()
+                return
+            self._accept_pause = ACCEPT_PAUSE[0]
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            conn = Connection(sock, f"{addr[0]}:{addr[1]}", self.limits, self.allocate)
+            conn = Connection(sock, f"{addr[0]}:{addr[1]}", self.limits, self.allocate, time.monotonic())
             self.conns.add(conn)
             self._by_fd[sock.fileno()] = conn
             self.epoll.register(sock.fileno(), select.EPOLLIN)
 
+    def _pause_accepting(self) -> None:
+        """Take the listener out of the epoll set for a while (doubling while it keeps failing)."""
+        self.accept_pauses += 1
+        self._accept_at = time.monotonic() + self._accept_pause
+        self._accept_pause = min(2 * self._accept_pause, ACCEPT_PAUSE[1])
+        self.epoll.modify(self.listener.fileno(), 0)
+
+    def _shed(self) -> int:
+        """Close a batch of idle connections, least recently active first (then half-open ones
+        silent for ``SHED_SILENT``), to make room for new ones; returns how many."""
+        count = max(8, len(self.conns) // 32)
+        own = self.own_peers
+        victims = heapq.nsmallest(count, (c for c in self.conns if c.idle and c.peer not in own),
+                                  key=lambda c: c.active)
+        if len(victims) < count:
+            silent = time.monotonic() - SHED_SILENT
+            victims += heapq.nsmallest(
+                count - len(victims),
+                (c for c in self.conns if (c.held or c.handshaking) and not c.paused and c.active < silent
+                 and c.peer not in own), key=lambda c: c.active)
+        for conn in victims:
+            self._close(conn)
+        self.shed += len(victims)
+        return len(victims)
+
+    def _read_descriptor_limit(self) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+        self.descriptor_limit = limit
+        self.connection_limit = max(1, min(MAX_CONNECTIONS, limit - min(FD_RESERVE, limit // 2)))
+
+    # ---- connections ----------------------------------------------------------------------
+
     def _handshake(self, conn: Connection) -> None:
         """Drive a TLS handshake on: done, wait for the socket, or refuse the peer."""
+        conn.active = time.monotonic()
         try:
             conn.sock.do_handshake()
         except ssl.SSLWantReadError:
@@ -174,6 +306,14 @@ class Server:
             conn.events = events
             self.epoll.modify(conn.sock.fileno(), events)
 
+    def _rearm(self, conn: Connection) -> None:
+        """Watch for writing while replies are queued, and for reading unless the queue is full
+        (a client that sends requests and never reads the answers holds a bounded queue, then
+        nothing more), the connection is closing, or it waits for the receive budget."""
+        out = conn.out
+        self._watch(conn, (select.EPOLLOUT if out else 0) | (
+            select.EPOLLIN if out.bytes < SEND_WATERMARK and not conn.closing and not conn.paused else 0))
+
     def _run_calls(self) -> None:
         try:
             while self._wake_r.recv(4096):
@@ -191,6 +331,9 @@ class Server:
     def _read(self, conn: Connection) -> None:
         if conn.closing:
             return
+        if conn.held and self.held >= self.receive_budget and self._others_read(conn):
+            self._pause(conn)
+            return
         try:
             messages = conn.reader.read(conn.sock)
         except ConnectionClosed:
@@ -202,10 +345,80 @@ class Server:
             conn.streams.clear()
             self._flush(conn)
             return
+        if conn.reader.received:
+            conn.active = time.monotonic()
+        self._count_held(conn)
+        if conn.held and self.held > self.receive_budget and self._others_read(conn):
+            self._pause(conn)
         for msg in messages:
             self.handler(conn, msg)
             if conn not in self.conns:
                 return
+
+    # ---- the receive budget ---------------------------------------------------------------
+
+    def _count_held(self, conn: Connection) -> None:
+        held = conn.reader.held
+        self.held += held - conn.held
+        conn.held = held
+        if held and not conn.paused:
+            self._partial.add(conn)
+        else:
+            self._partial.discard(conn)
+
+    def _others_read(self, conn: Connection) -> bool:
+        """Whether another connection with an incomplete message is being read (so pausing this
+        one cannot leave the budget full with nothing able to finish)."""
+        return len(self._partial) > (conn in self._partial)
+
+    def _pause(self, conn: Connection) -> None:
+        conn.paused = True
+        self.paused_total += 1
+        self._partial.discard(conn)
+        self._paused[conn] = None
+        conn.reader.trim()
+        self._rearm(conn)
+
+    def _resume(self) -> None:
+        """Read paused connections again, oldest first, while the budget has room -- or the
+        oldest one when no connection with an incomplete message is being read."""
+        while self._paused and (self.held < self.receive_budget or not self._partial):
+            conn = next(iter(self._paused))
+            del self._paused[conn]
+            conn.paused = False
+            conn.active = time.monotonic()  # its silence counts from now
+            self._count_held(conn)
+            self._rearm(conn)
+            self._read(conn)  # what waits now (TLS may hold decrypted bytes no poll would report)
+
+    def _sweep(self, now: float) -> None:
+        """Close connections silent too long mid-message, let idle receive buffers go, read the
+        descriptor limit again and log a summary if one is due."""
+        self._next_sweep = now + self._sweep_every
+        self._read_descriptor_limit()
+        quiet, deadline = now - self._sweep_every, now - self.receive_timeout
+        for conn in list(self.conns):
+            if not conn.handshaking and not conn.events & select.EPOLLIN:
+                conn.active = max(conn.active, quiet)  # not being read: silence does not count
+            elif conn.active < deadline and (conn.held or conn.handshaking):
+                self.timed_out += 1
+                self._close(conn)
+            elif conn.active < quiet:
+                conn.reader.trim()
+        self._report(now)
+
+    def _report(self, now: float) -> None:
+        if now - self._reported_at < LOG_EVERY:
+            return
+        totals = (self.accept_failures, self.accept_pauses, self.shed, self.timed_out)
+        failed, pauses, shed, timed_out = (a - b for a, b in zip(totals, self._reported))
+        if failed or pauses or shed or timed_out:
+            logger.warning(
+                "data port, last %.0f s: %d accepts failed%s, accepting paused %d times, %d idle connections "
+                "shed, %d closed silent mid-request; %d connections open (at most %d of %d descriptors)",
+                now - self._reported_at, failed, f" ({self._last_error})" if failed else "", pauses, shed, timed_out,
+                len(self.conns), self.connection_limit, self.descriptor_limit)
+        self._reported, self._reported_at = totals, now
 
     # ---- replies --------------------------------------------------------------------------
 
@@ -262,15 +475,16 @@ class Server:
         if not out and conn.closing:
             self._close(conn)
             return
-        # Reading pauses while the replies already queued are not taken (a client that sends
-        # requests and never reads the answers holds a bounded queue, then nothing more).
-        self._watch(conn, (select.EPOLLOUT if out else 0) | (
-            select.EPOLLIN if out.bytes < SEND_WATERMARK and not conn.closing else 0))
+        self._rearm(conn)
 
     def _close(self, conn: Connection) -> None:
         if conn not in self.conns:
             return
         self.conns.discard(conn)
+        self.held -= conn.held
+        conn.held = 0
+        self._partial.discard(conn)
+        self._paused.pop(conn, None)
         fd = conn.sock.fileno()
         self._by_fd.pop(fd, None)
         try:

@@ -181,6 +181,11 @@ def node(
     self_check_interval: Annotated[float, typer.Option(
         help="Seconds between PINGs of its own data port; 3 missed in a row take the node off the ring until "
              "it answers again (0: no check).", min=0)] = 5.0,
+    receive_budget: Annotated[str, typer.Option(
+        help="Bytes of partly received requests held in all; past it, connections still sending wait.")] = "32MiB",
+    receive_timeout: Annotated[float, typer.Option(
+        help="Seconds a connection may stay silent in the middle of a request (or of its TLS handshake) "
+             "before it is closed.", min=0.01)] = 10.0,
     fault_injection: Annotated[bool, typer.Option(
         "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte, "
                                   "POST /debug/stall?seconds=S blocks the data loop.",
@@ -211,6 +216,7 @@ def node(
             etcd=_etcd_settings(etcd, cluster), lease_ttl=lease_ttl, handoff=handoff,
             repair_rate=_size(repair_rate, "--repair-rate", zero=True),
             repair_interval=repair_interval, self_check_interval=self_check_interval,
+            receive_budget=_size(receive_budget, "--receive-budget"), receive_timeout=receive_timeout,
             tls=tls, node_token=_node_token(node_token_file), fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication),
             events=PublisherSettings(host=host, port=events_port, replay_port=events_replay_port,
