@@ -21,8 +21,8 @@ A reader's memory follows what arrived, never what a prefix declared: its receiv
 taken at the first read (``FIRST_BUFFER``), doubles after each recv that filled it (up to
 ``RECV_BUFFER``) and can be let go while it holds nothing (``trim``); a large header is gathered
 as its bytes arrive; a large payload's own buffer is taken once its first byte is here.
-``held`` is what the reader holds of messages not yet complete, for a server that bounds the
-total (``server.py``).
+``held`` is what the reader holds of messages not yet complete, and ``declared`` the size the
+message under way announced, for a server that bounds the total (``server.py``).
 """
 
 from __future__ import annotations
@@ -161,6 +161,7 @@ class FrameReader:
         self._sizes: list[int] | None = None
         self._parts: list = []
         self._kept = 0
+        self.declared = 0  # the whole size of the message under way, once its prefix is here
         self._gather: bytearray | None = None
         self._target: np.ndarray | None = None
         self._filled = 0
@@ -256,7 +257,7 @@ class FrameReader:
         while (self._sizes is not None or self._parse_prefix()) and self._fill():
             header, *payloads = self._parts
             out.append(Message(header, payloads))
-            self._sizes, self._parts, self._kept = None, [], 0
+            self._sizes, self._parts, self._kept, self.declared = None, [], 0, 0
         if self._start == self._end:
             self._start = self._end = 0
         return out
@@ -325,5 +326,6 @@ class FrameReader:
         self._start += PREFIX.size + 8 * count
         self._sizes = [header_len, *lengths]
         self._parts = []
-        self._kept = 0
+        self._kept = PREFIX.size + 8 * count  # so a message under way always holds something
+        self.declared = self._kept + header_len + sum(lengths)
         return True

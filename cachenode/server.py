@@ -15,15 +15,19 @@ looks at the sockets again: no request holds the loop for long, however large it
 
 What peers send costs the node what arrived, bounded in total:
 
-- Partly received messages (``FrameReader.held``) share ``receive_budget`` bytes.  Past it, a
-  connection whose message is still incomplete stops being read (``paused``: its bytes wait in
-  the kernel, and its peer's sends block) -- unless no other connection with an incomplete
-  message is being read, so one message larger than the budget, or the last one standing,
-  always gets through.  Paused connections are read again, oldest first, as the budget frees.
-  The total stays within the budget plus one receive buffer per connection that crossed it.
-- A connection silent for ``receive_timeout`` seconds in the middle of a message or of its TLS
-  handshake is closed (time it spent not being read by the node's choice does not count).
-  Idle receive buffers are let go (``FrameReader.trim``).
+- Partly received messages share ``receive_budget`` bytes.  A connection may hold up to
+  ``FIRST_BUFFER`` bytes of an incomplete message as it likes (a small request split across
+  reads is never held up); to hold more it must be admitted, which reserves the size its
+  message declared (``FrameReader.declared``).  While the reservations leave no room for it,
+  it is ``paused``: not read, its bytes wait in the kernel and its peer's sends block.  Paused
+  connections are admitted in the order they came, as reservations are released (a message
+  completes, a connection closes); when none is admitted the first one always is, so one
+  message larger than the budget gets through too.  An admitted connection is never paused, so
+  it either finishes its message or falls silent and is closed: what holds the budget always
+  moves.  In all, a node holds at most the budget plus, per connection, one receive buffer.
+- A connection silent for ``receive_timeout`` seconds (nothing received, none of its replies
+  taken) in the middle of a message or of its TLS handshake is closed; time spent paused does
+  not count.  Idle receive buffers are let go (``FrameReader.trim``).
 - Descriptors: the node accepts at most ``connection_limit`` connections, its descriptor limit
   (``RLIMIT_NOFILE``, read again every sweep) less ``FD_RESERVE`` for the rest of the process
   (etcd, the admin HTTP port, the self-check, hand-off, KV events), so those never starve.  At
@@ -50,7 +54,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-from .framing import WOULD_BLOCK, ConnectionClosed, FrameLimits, FrameReader, FramingError, Message, SendQueue
+from .framing import (FIRST_BUFFER, WOULD_BLOCK, ConnectionClosed, FrameLimits, FrameReader, FramingError, Message,
+                      SendQueue)
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +74,8 @@ Frames = list  # the buffers of one framed message (see ``framing.pack``)
 class Connection:
     """One client connection: its reader, its send queue and its streamed replies."""
 
-    __slots__ = ("sock", "peer", "reader", "out", "streams", "closing", "events", "handshaking", "held", "paused",
-                 "active")
+    __slots__ = ("sock", "peer", "reader", "out", "streams", "closing", "events", "handshaking", "held", "reserved",
+                 "paused", "active")
 
     def __init__(self, sock: socket.socket, peer: str, limits: FrameLimits, allocate, now: float) -> None:
         self.sock = sock
@@ -82,8 +87,9 @@ class Connection:
         self.closing = False  # close once ``out`` is written (after a framing error)
         self.events = select.EPOLLIN  # what the loop watches for
         self.held = 0  # bytes of an incomplete message, as last counted in the server's total
-        self.paused = False  # not read until the receive budget has room
-        self.active = now  # monotonic time of its last bytes received (or of being read again)
+        self.reserved = 0  # of the receive budget, while admitted to hold more than FIRST_BUFFER
+        self.paused = False  # not read until the receive budget admits it
+        self.active = now  # monotonic time of its last bytes received or sent (or of its admission)
 
     @property
     def idle(self) -> bool:
@@ -120,10 +126,10 @@ class Server:
         # answers with the error's code there).
         self.on_framing_error: Callable[[Connection, FramingError], None] = lambda conn, exc: None
         self.on_refused: Callable[[Connection, Exception], None] = lambda conn, exc: None  # a failed TLS handshake
-        # The receive budget: bytes held by incomplete messages, the connections holding some
-        # that are read, and those paused (oldest first).
+        # The receive budget: bytes held by incomplete messages, bytes reserved by admitted
+        # connections, and the connections waiting to be admitted (oldest first).
         self.held = 0
-        self._partial: set[Connection] = set()
+        self.reserved = 0
         self._paused: dict[Connection, None] = {}
         self.own_peers: frozenset[str] = frozenset()  # never shed (``keep_peer``)
         self.descriptor_limit = 0
@@ -145,7 +151,7 @@ class Server:
 
     @property
     def paused(self) -> int:
-        """Connections not read now, waiting for room in the receive budget."""
+        """Connections not read now, waiting to be admitted to the receive budget."""
         return len(self._paused)
 
     # ---- other threads ---------------------------------------------------------------------
@@ -259,7 +265,7 @@ class Server:
     def _shed(self) -> int:
         """Close a batch of idle connections, least recently active first (then half-open ones
         silent for ``SHED_SILENT``), to make room for new ones; returns how many."""
-        count = max(8, len(self.conns) // 32)
+        count = max(1, len(self.conns) // 32)
         own = self.own_peers
         victims = heapq.nsmallest(count, (c for c in self.conns if c.idle and c.peer not in own),
                                   key=lambda c: c.active)
@@ -331,9 +337,6 @@ class Server:
     def _read(self, conn: Connection) -> None:
         if conn.closing:
             return
-        if conn.held and self.held >= self.receive_budget and self._others_read(conn):
-            self._pause(conn)
-            return
         try:
             messages = conn.reader.read(conn.sock)
         except ConnectionClosed:
@@ -347,9 +350,7 @@ class Server:
             return
         if conn.reader.received:
             conn.active = time.monotonic()
-        self._count_held(conn)
-        if conn.held and self.held > self.receive_budget and self._others_read(conn):
-            self._pause(conn)
+        self._count_held(conn, bool(messages))
         for msg in messages:
             self.handler(conn, msg)
             if conn not in self.conns:
@@ -357,39 +358,43 @@ class Server:
 
     # ---- the receive budget ---------------------------------------------------------------
 
-    def _count_held(self, conn: Connection) -> None:
+    def _count_held(self, conn: Connection, completed: bool) -> None:
+        """Count what ``conn`` holds now; release its reservation once its message completed,
+        and admit or pause it once it holds more than ``FIRST_BUFFER``."""
         held = conn.reader.held
         self.held += held - conn.held
         conn.held = held
-        if held and not conn.paused:
-            self._partial.add(conn)
-        else:
-            self._partial.discard(conn)
+        if completed and conn.reserved:
+            self.reserved -= conn.reserved
+            conn.reserved = 0
+        if held > FIRST_BUFFER and not conn.reserved:
+            if self._paused or not self._admit(conn):  # none overtakes a connection already waiting
+                conn.paused = True
+                self.paused_total += 1
+                self._paused[conn] = None
+                conn.reader.trim()
+                self._rearm(conn)
 
-    def _others_read(self, conn: Connection) -> bool:
-        """Whether another connection with an incomplete message is being read (so pausing this
-        one cannot leave the budget full with nothing able to finish)."""
-        return len(self._partial) > (conn in self._partial)
-
-    def _pause(self, conn: Connection) -> None:
-        conn.paused = True
-        self.paused_total += 1
-        self._partial.discard(conn)
-        self._paused[conn] = None
-        conn.reader.trim()
-        self._rearm(conn)
+    def _admit(self, conn: Connection) -> bool:
+        want = max(conn.held, conn.reader.declared)
+        if self.reserved and self.reserved + want > self.receive_budget:
+            return False
+        conn.reserved = want
+        self.reserved += want
+        return True
 
     def _resume(self) -> None:
-        """Read paused connections again, oldest first, while the budget has room -- or the
-        oldest one when no connection with an incomplete message is being read."""
-        while self._paused and (self.held < self.receive_budget or not self._partial):
+        """Admit paused connections, oldest first, while the budget has room for them (the first
+        one always when none is admitted), and read what waits for them."""
+        while self._paused:
             conn = next(iter(self._paused))
+            if not self._admit(conn):
+                return
             del self._paused[conn]
             conn.paused = False
             conn.active = time.monotonic()  # its silence counts from now
-            self._count_held(conn)
             self._rearm(conn)
-            self._read(conn)  # what waits now (TLS may hold decrypted bytes no poll would report)
+            self._read(conn)  # (TLS may hold decrypted bytes that no poll would report)
 
     def _sweep(self, now: float) -> None:
         """Close connections silent too long mid-message, let idle receive buffers go, read the
@@ -398,8 +403,8 @@ class Server:
         self._read_descriptor_limit()
         quiet, deadline = now - self._sweep_every, now - self.receive_timeout
         for conn in list(self.conns):
-            if not conn.handshaking and not conn.events & select.EPOLLIN:
-                conn.active = max(conn.active, quiet)  # not being read: silence does not count
+            if conn.paused:
+                conn.active = max(conn.active, quiet)  # not read by the node's choice: not silence
             elif conn.active < deadline and (conn.held or conn.handshaking):
                 self.timed_out += 1
                 self._close(conn)
@@ -467,11 +472,14 @@ class Server:
 
     def _flush(self, conn: Connection) -> None:
         out = conn.out
+        queued = out.bytes
         try:
             out.write(conn.sock)
         except ConnectionClosed:
             self._close(conn)
             return
+        if out.bytes < queued:
+            conn.active = time.monotonic()
         if not out and conn.closing:
             self._close(conn)
             return
@@ -482,8 +490,8 @@ class Server:
             return
         self.conns.discard(conn)
         self.held -= conn.held
-        conn.held = 0
-        self._partial.discard(conn)
+        self.reserved -= conn.reserved
+        conn.held = conn.reserved = 0
         self._paused.pop(conn, None)
         fd = conn.sock.fileno()
         self._by_fd.pop(fd, None)
