@@ -180,6 +180,20 @@ def test_half_open_peers_cost_what_they_sent_and_are_closed_once_silent(cluster_
     assert ops_during > 0
 
 
+def test_a_tls_handshake_that_goes_silent_is_closed_after_the_timeout(cluster_factory):
+    cluster = cluster_factory(nodes=1, memory=64 * MiB, tls=True, node_args=["--receive-timeout", str(TIMEOUT)])
+    node = cluster.nodes[0]
+    peers = _connect(node.data_addr, 50)  # connected, never a ClientHello
+    for s in peers[:25]:
+        _send_some(s, b"\x16\x03\x01")  # the start of one, then nothing
+    wait_for(lambda: all(_closed_by_node(s) for s in peers), 30, "the silent handshakes closed")
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
+        assert client.wait_for_nodes(1)
+        assert client.stats()["node-0"]["connections_timed_out"] >= 50
+    for s in peers:
+        s.close()
+
+
 def test_2000_idle_peers_cost_little(cluster_factory):
     cluster = cluster_factory(nodes=1, memory=256 * MiB)
     node = cluster.nodes[0]
