@@ -144,7 +144,6 @@ class Server:
         self.accept_pauses = 0  # times accepting was paused
         self.shed = 0  # connections closed to make room
         self.timed_out = 0  # connections closed for silence in the middle of a message
-        self.paused_total = 0  # times a connection was paused for the receive budget
         self._last_error = ""
         self._reported = (0, 0, 0, 0)
         self._reported_at = time.monotonic()
@@ -370,7 +369,6 @@ class Server:
         if held > FIRST_BUFFER and not conn.reserved:
             if self._paused or not self._admit(conn):  # none overtakes a connection already waiting
                 conn.paused = True
-                self.paused_total += 1
                 self._paused[conn] = None
                 conn.reader.trim()
                 self._rearm(conn)
