@@ -29,7 +29,7 @@ def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "") ->
         model=str(model.model), config_fingerprint=fingerprint, kv_dtype=str(kv_dtype),
         num_layers=model.get_total_num_hidden_layers(), num_kv_heads=_total_kv_heads(model),
         head_size=model.get_head_size(), block_layout="BHNC", chunk_size=chunk_size,
-        weights_version=weights_version)
+        weights_version=weights_version, latent=bool(model.use_mla))
 
 
 def _total_kv_heads(model) -> int:
@@ -64,11 +64,13 @@ def rank_shard(vllm_config) -> RankShard:
 def check_kv_groups(kv_cache_config) -> None:
     """Refuse a model whose KV the connector cannot load correctly (``ValueError`` saying why).
 
-    kvring stores every layer of a token range as one chunk and loads it into one block table.
-    Models with several KV-cache groups (sliding-window next to full-attention layers, SSM
-    state, ...) have a block table per group, and vLLM cannot take block-level load failures
-    for them; MLA caches have another shape.  Serving such a model through the connector
-    would risk wrong KV, so it is refused at start rather than run wrongly.
+    kvring stores every layer of a token range as one chunk and loads it into one block table:
+    one KV-cache group of full attention, K and V per KV head, or MLA (one latent per token,
+    which vLLM hands over in the same ``[blocks, 1, block size, latent]`` view).  Models with
+    several KV-cache groups (sliding-window next to full-attention layers, SSM state, ...) have
+    a block table per group, and vLLM cannot take block-level load failures for them.  Serving
+    such a model through the connector would risk wrong KV, so it is refused at start rather
+    than run wrongly.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     problems = []
@@ -78,9 +80,10 @@ def check_kv_groups(kv_cache_config) -> None:
                         "full-attention ones), and kvring loads one block table per chunk")
     for g in groups:
         spec = g.kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+        mla = isinstance(spec, MLAAttentionSpec)
+        if not isinstance(spec, FullAttentionSpec) or (mla and type(spec) is not MLAAttentionSpec):
             problems.append(f"layers {g.layer_names[:2]}... use {type(spec).__name__}, kvring loads full-attention "
-                            "KV only")
+                            "and MLA KV only")
             break
     if problems:
         raise ValueError("KVRingConnector cannot serve this model without risking wrong KV: " + "; ".join(problems)

@@ -47,11 +47,19 @@ class KVLayout:
     block_layout: str  # e.g. "NHD", "HND", or the standardized "BHNC" view
     chunk_size: int
     weights_version: str = ""  # the user's name for the weights (checkpoint step, revision)
+    # MLA: a token's KV is one compressed latent of ``head_size`` (shared by every attention
+    # head and every tensor-parallel rank), not a K and a V per KV head.
+    latent: bool = False
+
+    @property
+    def channels(self) -> int:
+        """Values per token, layer and KV head: K and V, or one MLA latent."""
+        return self.head_size if self.latent else 2 * self.head_size
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token across all layers and KV heads (K and V)."""
-        return self.num_layers * self.num_kv_heads * self.head_size * 2 * _DTYPE_BYTES.get(self.kv_dtype, 1)
+        """KV bytes of one token across all layers and KV heads."""
+        return self.num_layers * self.num_kv_heads * self.channels * _DTYPE_BYTES.get(self.kv_dtype, 1)
 
     def parts(self, stages: tuple[tuple[int, int], ...] | None = None) -> ChunkParts:
         """The parts of a chunk stored by instances whose pipeline stages hold ``stages`` (the
@@ -63,6 +71,8 @@ class KVLayout:
         fields = asdict(self)
         if not fields["weights_version"]:
             del fields["weights_version"]  # keys of instances without one are unchanged
+        if not fields["latent"]:
+            del fields["latent"]  # nor those of models without MLA
         fields.update(asdict(scope or KeyScope()))
         if not fields["adapter"] and not fields["weights_epoch"]:
             del fields["adapter"], fields["weights_epoch"]

@@ -11,6 +11,7 @@ SPEC (JSON)::
     {"model": DIR,                       # e.g. from write_tiny_llama
      "dtype": "bfloat16",                # optional; also the dtype of generated prompt embeds
      "max_model_len": 8192, "max_tokens": 8, "prefix_caching": false, "kv_cache_gib": 1,
+     "block_size": 16,                   # optional: vLLM's KV block size (MLA on CPU needs 16)
      "tensor_parallel_size": 1, "pipeline_parallel_size": 1,  # optional: workers in processes of
                                          #   their own, one CPU each (VLLM_CPU_OMP_THREADS_BIND)
      "connector": {...} | null,          # KVRingConnector's kv_connector_extra_config
@@ -94,6 +95,26 @@ def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int 
                          head_dim=head_dim or hidden // heads)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
+    return path
+
+
+def write_tiny_deepseek(path: Path, layers: int = 2, hidden: int = 256, heads: int = 4, vocab: int = 2048,
+                        seed: int = 0) -> Path:
+    """A small random-weight DeepSeek-V2 (MLA attention, one dense MLP per layer), saved locally.
+
+    vLLM's CPU MLA backend takes one latent of 576 per token (``kv_lora_rank`` 512 + rope 64)
+    and a block size of 16; it runs float32 (and turns vLLM's own prefix caching off)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                              moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=heads,
+                              num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=4,
+                              num_experts_per_tok=2, first_k_dense_replace=layers, kv_lora_rank=512, q_lora_rank=None,
+                              qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64,
+                              max_position_embeddings=16384, torch_dtype="float32")
+    DeepseekV2ForCausalLM(config).save_pretrained(path)
     return path
 
 
@@ -320,6 +341,8 @@ def engine_kwargs(spec: dict) -> dict[str, Any]:
     tp, pp = spec.get("tensor_parallel_size", 1), spec.get("pipeline_parallel_size", 1)
     if tp * pp > 1:
         kw.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp")
+    if spec.get("block_size"):
+        kw["block_size"] = spec["block_size"]
     if pp > 1:
         # vLLM's CPU runner allocates a later stage's input buffers in its warm-up, which it runs
         # only for a compiled model: eager it asserts on its first step.  Dynamo traced once with

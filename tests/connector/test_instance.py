@@ -19,8 +19,10 @@ def _config(*specs) -> SimpleNamespace:
                                             for i, spec in enumerate(specs)])
 
 
-def test_one_full_attention_group_is_served():
-    check_kv_groups(_config(FULL))
+@pytest.mark.parametrize("spec", [FULL, MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                                                          dtype=torch.bfloat16)], ids=["full", "mla"])
+def test_one_full_attention_or_mla_group_is_served(spec):
+    check_kv_groups(_config(spec))
 
 
 @pytest.mark.parametrize("specs, why", [
@@ -28,7 +30,8 @@ def test_one_full_attention_group_is_served():
      "2 KV-cache groups"),
     ((SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128),),
      "use SlidingWindowSpec"),
-    ((MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),), "use MLAAttentionSpec"),
+    ((MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),
+      MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)), "2 KV-cache groups"),
 ])
 def test_caches_it_cannot_load_correctly_are_refused_saying_why(specs, why):
     with pytest.raises(ValueError, match="cannot serve this model without risking wrong KV") as err:

@@ -1,0 +1,46 @@
+"""An MLA model (a small random DeepSeek-V2) served by the real vLLM engine (CPU build) through
+the connector: A computes and stores a prompt, B loads it, and B's greedy output equals its own
+recompute of the same prompt.  A chunk of an MLA model is one part: the compressed latent
+(576 values per token and layer, no separate K and V), the same on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvring.cachenode.client import ClusterClient
+from kvring.connector.parts import ChunkPart
+from kvring.engine.run import run_instance, write_tiny_deepseek
+from kvring.local.cluster import LocalCluster
+
+CHUNK = 256
+TOKENS = 1100  # 4 whole chunks + 76 tokens
+LAYERS, LATENT = 2, 576  # write_tiny_deepseek: 2 layers, kv_lora_rank 512 + rope 64
+# This test is about what a load writes: neither a slow lookup nor admission may turn it into a
+# recompute (on this tiny model recomputing can be predicted faster than loading).
+CONNECTOR = {"load_admission": False, "lookup_deadline_ms": 10_000}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(write_tiny_deepseek(tmp_path_factory.mktemp("model") / "tiny-deepseek"))
+
+
+def test_an_mla_model_loads_what_another_instance_stored(etcd_server, model, tmp_path):
+    prompt = np.random.default_rng(20).integers(10, 2000, size=TOKENS).tolist()
+    with LocalCluster(nodes=2, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-mla") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, **CONNECTOR}
+        base = {"model": model, "dtype": "float32", "block_size": 16, "max_model_len": 2048, "connector": conn}
+        a = run_instance(tmp_path, "A", {**base, "prompts": [{"tokens": prompt}]})
+        assert a["layout"]["latent"] and a["layout"]["head_size"] == LATENT and a["layout"]["num_kv_heads"] == 1
+        assert a["parts"] == [[0, 0, LAYERS]]  # one part per chunk: the latent of every layer
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            stored = client.get([ChunkPart(0, 0, LAYERS).key(bytes.fromhex(k)) for k in a["keys"][0][:4]])
+        # Stored as the latent only: 576 float32 values per token and layer (no K/V factor of 2).
+        assert all(c is not None and c.meta.shape == [LAYERS, CHUNK, 1, LATENT] for c in stored)
+        assert all(c.data.nbytes == CHUNK * LAYERS * LATENT * 4 for c in stored)
+        b = run_instance(tmp_path, "B", {**base, "prompts": [{"tokens": prompt, "salt": "ref"}, {"tokens": prompt}]})
+    ref, loaded = b["results"]
+    assert ref["cached"] == 0 and loaded["cached"] == 4 * CHUNK
+    assert loaded["tokens"] == ref["tokens"] == a["results"][0]["tokens"]
