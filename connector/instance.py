@@ -62,32 +62,51 @@ def rank_shard(vllm_config) -> RankShard:
 
 
 def check_kv_groups(kv_cache_config) -> None:
-    """Refuse a model whose KV the connector cannot load correctly (``ValueError`` saying why).
+    """Refuse a model whose KV the connector cannot load correctly (``ValueError`` saying why,
+    naming the groups and what makes the model servable).
 
     kvring stores every layer of a token range as one chunk and loads it into one block table:
     one KV-cache group of full attention, K and V per KV head, or MLA (one latent per token,
-    which vLLM hands over in the same ``[blocks, 1, block size, latent]`` view).  Models with
-    several KV-cache groups (sliding-window next to full-attention layers, SSM state, ...) have
-    a block table per group, and vLLM cannot take block-level load failures for them.  Serving
-    such a model through the connector would risk wrong KV, so it is refused at start rather
-    than run wrongly.
+    which vLLM hands over in the same ``[blocks, 1, block size, latent]`` view).  With vLLM's
+    hybrid KV-cache manager, a model mixing attention kinds (sliding-window next to full
+    attention) has a block table per group, which kvring does not load yet: with
+    ``--disable-hybrid-kv-cache-manager`` vLLM keeps every layer's full KV in one group, which it
+    does.  State that is not attention KV (Mamba, linear attention) has no per-layer hooks to
+    save or load it.  Serving such a model through the connector would risk wrong KV, so it is
+    refused at start rather than run wrongly.
     """
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    problems = []
-    if len(groups) > 1:
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        problems.append(f"{len(groups)} KV-cache groups ({', '.join(kinds)}: e.g. sliding-window layers next to "
-                        "full-attention ones), and kvring loads one block table per chunk")
-    for g in groups:
-        spec = g.kv_cache_spec
-        mla = isinstance(spec, MLAAttentionSpec)
-        if not isinstance(spec, FullAttentionSpec) or (mla and type(spec) is not MLAAttentionSpec):
-            problems.append(f"layers {g.layer_names[:2]}... use {type(spec).__name__}, kvring loads full-attention "
-                            "and MLA KV only")
-            break
-    if problems:
-        raise ValueError("KVRingConnector cannot serve this model without risking wrong KV: " + "; ".join(problems)
-                         + ". Serve it without --kv-transfer-config (vLLM's hybrid KV manager stays on).")
+
+    def named(i: int, g) -> str:
+        more = f", ... ({len(g.layer_names)} layers)" if len(g.layer_names) > 2 else ""
+        return f"group {i} ({type(g.kv_cache_spec).__name__}: {', '.join(g.layer_names[:2])}{more})"
+
+    state = [named(i, g) for i, g in enumerate(groups) if not isinstance(g.kv_cache_spec, AttentionSpec)]
+    if state:
+        problem = (f"{'; '.join(state)} hold(s) state that is not attention KV, which vLLM gives connectors no "
+                   "per-layer hooks to save or load")
+        fix = "Serve it without --kv-transfer-config"
+    elif len(groups) > 1:
+        problem = (f"{len(groups)} KV-cache groups ({'; '.join(named(i, g) for i, g in enumerate(groups))}: e.g. "
+                   "sliding-window layers next to full-attention ones), and kvring loads one block table per chunk")
+        fix = ("Start vLLM with --disable-hybrid-kv-cache-manager (every layer keeps its full KV in one group, "
+               "which kvring loads; it costs KV memory), or serve it without --kv-transfer-config")
+    else:
+        odd = [named(i, g) for i, g in enumerate(groups) if not _loadable(g.kv_cache_spec)]
+        if not odd:
+            return
+        problem = f"{odd[0]} is neither full-attention nor MLA KV, the kinds kvring loads"
+        fix = "Serve it without --kv-transfer-config"
+    raise ValueError(f"KVRingConnector cannot serve this model without risking wrong KV: {problem}. {fix}.")
+
+
+def _loadable(spec) -> bool:
+    """Full attention (K and V per KV head), or MLA's latent: the caches kvring loads."""
+    if isinstance(spec, MLAAttentionSpec):
+        return type(spec) is MLAAttentionSpec
+    return isinstance(spec, FullAttentionSpec)
 
 
 def worker_bytes_per_token(vllm_config, layout: KVLayout) -> int:

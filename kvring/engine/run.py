@@ -12,6 +12,7 @@ SPEC (JSON)::
      "dtype": "bfloat16",                # optional; also the dtype of generated prompt embeds
      "max_model_len": 8192, "max_tokens": 8, "prefix_caching": false, "kv_cache_gib": 1,
      "block_size": 16,                   # optional: vLLM's KV block size (MLA on CPU needs 16)
+     "disable_hybrid_kv_cache_manager": false,  # optional: one KV-cache group for every layer
      "tensor_parallel_size": 1, "pipeline_parallel_size": 1,  # optional: workers in processes of
                                          #   their own, one CPU each (VLLM_CPU_OMP_THREADS_BIND)
      "connector": {...} | null,          # KVRingConnector's kv_connector_extra_config
@@ -343,6 +344,8 @@ def engine_kwargs(spec: dict) -> dict[str, Any]:
         kw.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp")
     if spec.get("block_size"):
         kw["block_size"] = spec["block_size"]
+    if spec.get("disable_hybrid_kv_cache_manager"):
+        kw["disable_hybrid_kv_cache_manager"] = True
     if pp > 1:
         # vLLM's CPU runner allocates a later stage's input buffers in its warm-up, which it runs
         # only for a compiled model: eager it asserts on its first step.  Dynamo traced once with
