@@ -68,10 +68,6 @@ class Decision:
     refusal: Refusal | None = None  # why it would be refused (set on a probe too)
     probe: bool = False  # admitted although refused, to measure again
 
-    @property
-    def why(self) -> str:
-        return "admitted" if self.admit and not self.probe else "probe" if self.probe else str(self.refusal)
-
 
 @dataclass
 class NodeLink:
