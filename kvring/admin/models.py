@@ -108,6 +108,7 @@ class LayoutIn(BaseModel):
     block_layout: str
     chunk_size: int = Field(ge=1)
     weights_version: str = ""
+    latent: bool = Field(False, description="An MLA model: one latent of head_size per token and layer.")
 
 
 class MMSpanIn(BaseModel):
