@@ -13,7 +13,8 @@ three phases:
 - ``recovered``: it runs normally again.
 
 Per prompt: what the connector did, read from its counters (``vllm:kvring_*``) before and after
-the prompt — ``loaded``, ``abandoned`` (the load overran its deadline; its blocks recomputed),
+the prompt (``kvring.engine.run.decision_between``) — ``loaded`` (or ``loaded (probe)``),
+``abandoned`` (the load overran its deadline; its blocks recomputed), ``load failed``,
 ``refused (slower)`` (admission predicted recomputing faster), ``refused (node_failing)`` (the
 node failed a load and no probe has succeeded since), ``lookup past deadline`` (a miss) — the
 tokens it loaded, its time to first token and that prompt's recompute time.
@@ -34,6 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvring.bench.report import write_outputs
+from kvring.engine.run import decision_between
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
 
@@ -100,20 +102,6 @@ def _placed_prompts(layout, client, n: int, tokens: int, node: str, seed: int) -
         if client.owners(layout.parts().parts[0].key(request_keys(layout, p)[0]))[0] == node:
             out.append(p)
     return out
-
-
-def _decision(before: dict, after: dict) -> str:
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    if delta.get("lookups_past_deadline"):
-        return "lookup past deadline"
-    for reason in ("node_failing", "slower"):
-        if delta.get(f"loads_refused:{reason}"):
-            return f"refused ({reason})"
-    if delta.get("loads_abandoned"):
-        return "abandoned"
-    if delta.get("hit_tokens"):
-        return "loaded"
-    return "miss"
 
 
 def run_bench_slow_node(settings: SlowNodeSettings = SlowNodeSettings(), json_out: Path | None = None,
@@ -194,7 +182,7 @@ def _results(s: SlowNodeSettings, out: dict) -> dict:
         for _ in range(count):
             r = phase_runs[i]
             before, after = counters[2 + n + i - 1], counters[2 + n + i]
-            rows.append({"phase": phase, "prompt": i, "decision": _decision(before, after), "loaded": r["cached"],
+            rows.append({"phase": phase, "prompt": i, "decision": decision_between(before, after), "loaded": r["cached"],
                          "ttft": r["ttft"], "recompute_ttft": recomputes[i]["ttft"],
                          "same_tokens": r["tokens"] == computed[i]["tokens"]})
             i += 1
@@ -232,7 +220,8 @@ def _plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = results["rows"]
-    colors = {"loaded": "tab:green", "refused (slower)": "tab:orange", "refused (node_failing)": "tab:brown",
+    colors = {"loaded": "tab:green", "loaded (probe)": "tab:olive", "load failed": "tab:pink",
+              "refused (slower)": "tab:orange", "refused (node_failing)": "tab:brown",
               "abandoned": "tab:red",
               "lookup past deadline": "tab:purple", "miss": "tab:gray"}
     fig, ax = plt.subplots(figsize=(8, 4))

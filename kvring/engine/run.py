@@ -291,6 +291,26 @@ def connector_counters() -> dict[str, float]:
     return counters
 
 
+def decision_between(before: dict[str, float], after: dict[str, float]) -> str:
+    """What the connector did for one prompt, from its ``connector_counters`` before and after it
+    (the prompt alone in its generate call): ``lookup past deadline`` (a miss), ``refused
+    (<reason>)`` (admission), ``abandoned`` (an async load past its deadline), ``load failed``
+    (its blocks recomputed), ``loaded (probe)``, ``loaded`` or ``miss``."""
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    if delta.get("lookups_past_deadline"):
+        return "lookup past deadline"
+    for reason in ("node_failing", "slower"):
+        if delta.get(f"loads_refused:{reason}"):
+            return f"refused ({reason})"
+    if delta.get("loads_abandoned"):
+        return "abandoned"
+    if delta.get("failed_blocks"):
+        return "load failed"
+    if delta.get("load_probes"):
+        return "loaded (probe)"
+    return "loaded" if delta.get("hit_tokens") else "miss"
+
+
 def _lora_requests(lora: dict) -> dict[str, Any]:
     """One ``LoRARequest`` per adapter of ``spec["lora"]``, with its int id (given, or 1, 2, ... in order)."""
     from vllm.lora.request import LoRARequest

@@ -17,7 +17,7 @@ import pytest
 
 from kvring.cachenode.client import ClusterClient
 from kvring.connector.keys import request_keys
-from kvring.engine.run import layout_of, start_instance, write_tiny_llama
+from kvring.engine.run import decision_between, layout_of, start_instance, write_tiny_llama
 from kvring.local.cluster import LocalCluster
 
 CHUNK = 256
@@ -28,21 +28,6 @@ LOADED = 8 * CHUNK
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return str(write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
-
-
-def _decision(before: dict, after: dict) -> str:
-    """What the connector did for one prompt, from its counters before and after it."""
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    if delta.get("lookups_past_deadline"):
-        return "lookup past deadline"
-    for reason in ("node_failing", "slower"):
-        if delta.get(f"loads_refused:{reason}"):
-            return f"refused ({reason})"
-    if delta.get("failed_blocks"):
-        return "load failed"
-    if delta.get("load_probes"):
-        return "loaded (probe)"
-    return "loaded" if delta.get("loads_admitted") else "miss"
 
 
 def _wait_saved(client: ClusterClient, layout, prompts: list[list[int]], timeout: float = 120.0) -> None:
@@ -91,7 +76,7 @@ def test_a_node_stalled_mid_load_is_trusted_again_once_it_resumes(etcd_server, m
     rows = [(7, 0, "before"), (8, 1, "before"), (9, 2, "during"),
             (10, 3, "after"), (11, 4, "after"), (12, 5, "after"), (13, 0, "after")]
     # generate calls: 0 warm-up, 1 the batch, then one per prompt (result i is call i - 5)
-    decisions = {i: _decision(counters[i - 6], counters[i - 5]) for i, _, _ in rows}
+    decisions = {i: decision_between(counters[i - 6], counters[i - 5]) for i, _, _ in rows}
     print("\nadmission around a stall (prompt: phase, decision, tokens loaded, TTFT):")
     for i, p, phase in rows:
         print(f"  {i:2d} prompt {p}: {phase:6s} {decisions[i]:22s} {r[i]['cached']:5d} {r[i]['ttft'] * 1000:7.0f} ms")
