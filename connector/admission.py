@@ -99,10 +99,23 @@ class NodeLink:
         return statistics.median(fresh) if fresh else None
 
 
+@dataclass(frozen=True)
+class LoadBytes:
+    """The KV bytes one worker loads for a hit: ``per_token`` for every token (its full-attention
+    layers), and for each sliding window only the window's last tokens (``windows``: window in
+    tokens, bytes per token of its layers)."""
+
+    per_token: int
+    windows: tuple[tuple[int, int], ...] = ()
+
+    def of(self, tokens: int) -> int:
+        return tokens * self.per_token + sum(min(tokens, w) * b for w, b in self.windows)
+
+
 class LoadCostModel:
-    def __init__(self, bytes_per_token: int, timeout_s: float, load_deadline_s: float = 0.0,
+    def __init__(self, bytes_per_token: int | LoadBytes, timeout_s: float, load_deadline_s: float = 0.0,
                  clock=time.monotonic) -> None:
-        self.bytes_per_token = bytes_per_token
+        self.load_bytes = bytes_per_token if isinstance(bytes_per_token, LoadBytes) else LoadBytes(bytes_per_token)
         self.timeout_s = timeout_s
         self.load_deadline_s = load_deadline_s
         self.clock = clock
@@ -168,7 +181,7 @@ class LoadCostModel:
         load_s = None
         if lats and shares:
             typical_lat, typical_rate = statistics.median(lats), statistics.median(rates) if rates else None
-            nbytes = tokens * self.bytes_per_token
+            nbytes = self.load_bytes.of(tokens)
             load_s = 0.0
             for node_id, share in shares.items():
                 lat, rate = measured.get(node_id, (None, None))

@@ -10,10 +10,12 @@ Use it with::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
+                                                               KVConnectorTransferResults, SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvring.cachenode.client import ClusterClient
@@ -22,8 +24,8 @@ from kvring.common.hashing import FORMAT_VERSION, HASH_ALGORITHM
 from kvring.common.tls import ClusterCredentials
 
 from .config import ConnectorConfig
-from .instance import (check_kv_groups, check_parallel, chunk_parts, layout_from_vllm, rank_shard,
-                       worker_bytes_per_token)
+from .instance import (KVGroups, check_kv_groups, check_parallel, chunk_parts, layout_from_vllm, rank_shard,
+                       worker_load_bytes)
 from .metadata import KVRingMetadata
 from .scheduler import SchedulerSide
 from .stats import KVRingPromMetrics, KVRingStats
@@ -75,18 +77,25 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is not None:
             check_kv_groups(kv_cache_config)
         check_parallel(vllm_config)
+        groups = KVGroups.of(kv_cache_config, vllm_config.model_config.get_total_num_hidden_layers())
+        if groups.several and self.config.load_mode != "async":
+            # vLLM takes failed loads of several KV-cache groups only as failed requests of async
+            # loads (block ids are per group): loads run between steps.
+            logger.info("KVRingConnector: several KV-cache groups: async loads (load_mode %r -> 'async')",
+                        self.config.load_mode)
+            self.config = dataclasses.replace(self.config, load_mode="async")
         _recompute_on_load_failure(self._kv_transfer_config)
         self.client = connect(self.config)
         chunk = self.client.contract.chunk_size
         block_size = vllm_config.cache_config.block_size
         if role == KVConnectorRole.SCHEDULER:
-            layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version)
+            layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version, groups=groups)
             self._scheduler = SchedulerSide(self.config, layout, self.client, block_size,
-                                            worker_bytes_per_token(vllm_config, layout), chunk_parts(vllm_config, layout))
+                                            worker_load_bytes(vllm_config, layout), chunk_parts(vllm_config, layout))
             self._worker = None
         else:
             self._scheduler = None
-            self._worker = WorkerSide(self.config, self.client, chunk, block_size, rank_shard(vllm_config))
+            self._worker = WorkerSide(self.config, self.client, chunk, block_size, rank_shard(vllm_config), groups)
             self.client.reserve_buffers(self.config.receive_buffer_mb << 20)
         logger.info("KVRingConnector (%s) on cluster %r, chunk %d tokens, %s loads", role.name, self.config.cluster,
                     chunk, self.config.load_mode)
@@ -118,6 +127,11 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        _, loaded = self._worker.get_finished(finished_req_ids)
+        # With several KV-cache groups a failed load fails its request (recomputed whole).
+        return KVConnectorTransferResults(finished_recving=set(loaded or ()), failed_recving=self._worker.failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -170,8 +184,7 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
-        # check_kv_groups admits one group only; saves copy blocks out during the forward, so
-        # nothing holds them once the request ends.
+        # Saves copy blocks out during the forward, so nothing holds them once the request ends.
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool | None:

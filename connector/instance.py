@@ -9,15 +9,61 @@ wrong KV.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
+from .admission import LoadBytes
 from .keys import KVLayout
 from .parts import ChunkParts, RankShard
 
 
-def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "") -> KVLayout:
-    """The KV-compatibility namespace of this vLLM instance (the same for every TP size)."""
+@dataclass(frozen=True)
+class KVGroups:
+    """vLLM's KV-cache groups as the connector loads and saves them.
+
+    With one group every layer shares one block table.  With vLLM's hybrid KV-cache manager a
+    model with sliding-window layers has a block table per group, and a sliding-window group
+    keeps blocks only for its window's tokens (the rest of its table is vLLM's null block).
+    """
+
+    layer_groups: dict[str, int]  # attention layer name -> index of its group (its block table)
+    windows: tuple[int, ...] = ()  # each model layer's sliding window (0: full); () without windows
+
+    @classmethod
+    def of(cls, kv_cache_config, num_layers: int) -> KVGroups:
+        """The groups of ``kv_cache_config`` (``None``: one group, e.g. a unit test's caches)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+        layer_groups = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        if not any(type(group.kv_cache_spec) is SlidingWindowSpec for group in groups):
+            return cls(layer_groups)
+        windows = [0] * num_layers
+        for group in groups:
+            if type(group.kv_cache_spec) is SlidingWindowSpec:
+                for name in group.layer_names:
+                    windows[extract_layer_index(name)] = group.kv_cache_spec.sliding_window
+        return cls(layer_groups, tuple(windows))
+
+    @property
+    def several(self) -> bool:
+        """Whether there are several block tables (vLLM then takes failed loads per request only)."""
+        return len(set(self.layer_groups.values())) > 1
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some group is a sliding window (each group is then loaded as it needs)."""
+        return bool(self.windows)
+
+    def group_of(self, layer_name: str) -> int:
+        return self.layer_groups.get(layer_name, 0)
+
+
+def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "",
+                     groups: KVGroups | None = None) -> KVLayout:
+    """The KV-compatibility namespace of this vLLM instance (the same for every TP size; a
+    hybrid layout's, with each layer's window, when ``groups`` has sliding windows)."""
     model = vllm_config.model_config
     hf = getattr(model, "hf_config", None)
     identity = (hf.to_json_string() if hf is not None else model.model) + f"\nrevision={model.revision}"
@@ -29,7 +75,7 @@ def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "") ->
         model=str(model.model), config_fingerprint=fingerprint, kv_dtype=str(kv_dtype),
         num_layers=model.get_total_num_hidden_layers(), num_kv_heads=_total_kv_heads(model),
         head_size=model.get_head_size(), block_layout="BHNC", chunk_size=chunk_size,
-        weights_version=weights_version, latent=bool(model.use_mla))
+        weights_version=weights_version, latent=bool(model.use_mla), windows=groups.windows if groups else ())
 
 
 def _total_kv_heads(model) -> int:
@@ -65,15 +111,15 @@ def check_kv_groups(kv_cache_config) -> None:
     """Refuse a model whose KV the connector cannot load correctly (``ValueError`` saying why,
     naming the groups and what makes the model servable).
 
-    kvring stores every layer of a token range as one chunk and loads it into one block table:
-    one KV-cache group of full attention, K and V per KV head, or MLA (one latent per token,
-    which vLLM hands over in the same ``[blocks, 1, block size, latent]`` view).  With vLLM's
-    hybrid KV-cache manager, a model mixing attention kinds (sliding-window next to full
-    attention) has a block table per group, which kvring does not load yet: with
-    ``--disable-hybrid-kv-cache-manager`` vLLM keeps every layer's full KV in one group, which it
-    does.  State that is not attention KV (Mamba, linear attention) has no per-layer hooks to
-    save or load it.  Serving such a model through the connector would risk wrong KV, so it is
-    refused at start rather than run wrongly.
+    kvring stores every layer of a token range as a chunk and loads it into each layer's block
+    table: full attention (K and V per KV head), MLA (one latent per token, which vLLM hands over
+    in the same ``[blocks, 1, block size, latent]`` view) in one group, and with vLLM's hybrid
+    KV-cache manager, groups of full-attention and sliding-window layers (a window group keeps
+    only its window's blocks, and is loaded and saved as such: ``KVGroups``).  State that is not
+    attention KV (Mamba, linear attention) has no per-layer hooks to save or load it, and other
+    kinds (chunked-local attention, sliding-window MLA) are not loaded yet.  Serving such a
+    model through the connector would risk wrong KV, so it is refused at start rather than run
+    wrongly.
     """
     from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -87,35 +133,43 @@ def check_kv_groups(kv_cache_config) -> None:
     if state:
         problem = (f"{'; '.join(state)} hold(s) state that is not attention KV, which vLLM gives connectors no "
                    "per-layer hooks to save or load")
-        fix = "Serve it without --kv-transfer-config"
-    elif len(groups) > 1:
-        problem = (f"{len(groups)} KV-cache groups ({'; '.join(named(i, g) for i, g in enumerate(groups))}: e.g. "
-                   "sliding-window layers next to full-attention ones), and kvring loads one block table per chunk")
-        fix = ("Start vLLM with --disable-hybrid-kv-cache-manager (every layer keeps its full KV in one group, "
-               "which kvring loads; it costs KV memory), or serve it without --kv-transfer-config")
+        raise ValueError(f"KVRingConnector cannot serve this model without risking wrong KV: {problem}. "
+                         "Serve it without --kv-transfer-config.")
+    if len(groups) == 1 and _loadable(groups[0].kv_cache_spec):
+        return
+    odd = [named(i, g) for i, g in enumerate(groups) if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec)]
+    sizes = {g.kv_cache_spec.block_size for g in groups}
+    if odd:
+        problem = (f"{'; '.join(odd)} is neither full-attention nor sliding-window KV, the kinds kvring loads "
+                   f"{'into several KV-cache groups' if len(groups) > 1 else ''}").rstrip()
+    elif len(sizes) > 1:
+        problem = f"its KV-cache groups have block sizes {sorted(sizes)}, and kvring loads groups of one block size"
     else:
-        odd = [named(i, g) for i, g in enumerate(groups) if not _loadable(g.kv_cache_spec)]
-        if not odd:
-            return
-        problem = f"{odd[0]} is neither full-attention nor MLA KV, the kinds kvring loads"
-        fix = "Serve it without --kv-transfer-config"
+        return
+    fix = ("Start vLLM with --disable-hybrid-kv-cache-manager (every layer keeps its full KV in one group, which "
+           "kvring loads; it costs KV memory), or serve it without --kv-transfer-config" if len(groups) > 1
+           else "Serve it without --kv-transfer-config")
     raise ValueError(f"KVRingConnector cannot serve this model without risking wrong KV: {problem}. {fix}.")
 
 
 def _loadable(spec) -> bool:
-    """Full attention (K and V per KV head), or MLA's latent: the caches kvring loads."""
+    """Full attention (K and V per KV head), or MLA's latent: the caches kvring loads as one group."""
     if isinstance(spec, MLAAttentionSpec):
         return type(spec) is MLAAttentionSpec
     return isinstance(spec, FullAttentionSpec)
 
 
-def worker_bytes_per_token(vllm_config, layout: KVLayout) -> int:
-    """KV bytes per token the busiest worker loads: its heads of its stage's layers (the workers
-    load in parallel, so this, not the whole token's, is what a load's time follows)."""
+def worker_load_bytes(vllm_config, layout: KVLayout) -> LoadBytes:
+    """KV bytes the busiest worker loads for a hit: its heads of its stage's layers (the workers
+    load in parallel, so this, not the whole token's, is what a load's time follows), of
+    sliding-window layers only their window."""
     parallel = vllm_config.parallel_config
     heads = len(RankShard.of_rank(layout.num_kv_heads, parallel.tensor_parallel_size, 0, (0, 0)).heads)
-    layers = max(end - first for first, end in chunk_parts(vllm_config, layout).stages)
-    return layout.bytes_per_token * heads * layers // (layout.num_kv_heads * layout.num_layers)
+    per_layer = layout.bytes_per_token * heads // (layout.num_kv_heads * layout.num_layers)
+    stage = max(chunk_parts(vllm_config, layout).stages, key=lambda s: s[1] - s[0])
+    windows = layout.windows[stage[0]:stage[1]] or (0,) * (stage[1] - stage[0])
+    return LoadBytes(per_layer * windows.count(0),
+                     tuple((w, per_layer * windows.count(w)) for w in sorted(set(windows) - {0})))
 
 
 def check_parallel(vllm_config) -> None:

@@ -50,6 +50,10 @@ class KVLayout:
     # MLA: a token's KV is one compressed latent of ``head_size`` (shared by every attention
     # head and every tensor-parallel rank), not a K and a V per KV head.
     latent: bool = False
+    # A hybrid model served with vLLM's hybrid KV-cache manager: each layer's sliding window in
+    # tokens (0: full attention).  Its chunks are stored as one part per attention kind
+    # (``parts.py``); empty for every other instance, which stores all layers together.
+    windows: tuple[int, ...] = ()
 
     @property
     def channels(self) -> int:
@@ -64,7 +68,7 @@ class KVLayout:
     def parts(self, stages: tuple[tuple[int, int], ...] | None = None) -> ChunkParts:
         """The parts of a chunk stored by instances whose pipeline stages hold ``stages`` (the
         layer range of each; ``None``: one stage with every layer)."""
-        return ChunkParts(self.num_kv_heads, stages or ((0, self.num_layers),))
+        return ChunkParts(self.num_kv_heads, stages or ((0, self.num_layers),), self.windows)
 
     def namespace(self, scope: KeyScope | None = None) -> str:
         """The chain's root string for requests of ``scope``."""
@@ -73,6 +77,8 @@ class KVLayout:
             del fields["weights_version"]  # keys of instances without one are unchanged
         if not fields["latent"]:
             del fields["latent"]  # nor those of models without MLA
+        if not fields["windows"]:
+            del fields["windows"]  # nor those of instances with one KV-cache group
         fields.update(asdict(scope or KeyScope()))
         if not fields["adapter"] and not fields["weights_epoch"]:
             del fields["adapter"], fields["weights_epoch"]

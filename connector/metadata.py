@@ -22,6 +22,9 @@ class LoadSpec:
     # abandon the load (its blocks recompute) after this many seconds.
     asynchronous: bool = False
     deadline_s: float = 0.0
+    # A hybrid layout: per sliding window, the first token its layers are written from (vLLM
+    # keeps that window's group blocks only from there: ``parts.window_start``).
+    window_from: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -34,16 +37,26 @@ class SaveSpec:
     namespace: str = ""  # the request's key namespace (model, layout, cache_salt): flushable as one
     # per key: the vLLM blocks the chunk holds, for the cluster's KV events (None: unannounced)
     blocks: list[ChunkBlocks | None] = field(default_factory=list)
+    # A hybrid layout: per sliding window, the first token still in its group's blocks during
+    # this step; that window's parts are saved only for chunks starting there or later.
+    live_from: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
 class ReqMeta:
     req_id: str
-    # slot_mapping[t] = block_id * block_size + offset, for every token of the request so far.
+    # slot_mapping[t] = block_id * block_size + offset, for every token of the request so far
+    # (in the block table of KV-cache group 0).
     slot_mapping: np.ndarray
     block_ids: list[int]
     load: LoadSpec | None = None
     save: SaveSpec | None = None
+    # Several KV-cache groups (a hybrid model): each group's slot mapping, group 0's first.
+    group_slot_mappings: list[np.ndarray] = field(default_factory=list)
+
+    def slots(self, group: int) -> np.ndarray:
+        """The slot mapping of KV-cache group ``group``."""
+        return self.group_slot_mappings[group] if self.group_slot_mappings else self.slot_mapping
 
 
 @dataclass

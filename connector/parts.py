@@ -13,8 +13,17 @@ coordinates (``ChunkPart.key``), so
   once, by the first rank that holds it;
 - two pipeline stages can never share a key (their layer ranges differ), and a chunk stored by an
   instance with other stages has other part keys (a miss, never wrong KV);
-- a chunk is a hit only when every part a load needs is present (``ChunkParts.present``), so a
-  save that only some ranks finished is never one.
+- a chunk is a hit only when every part a load needs is present (``ChunkParts.leading_hits``), so
+  a save that only some ranks finished is never one.
+
+A hybrid model served with vLLM's hybrid KV-cache manager (sliding-window layers next to
+full-attention ones, one KV-cache group each) stores each KV head of a stage as one part per
+attention kind: its full-attention layers, and the layers of each sliding window (``window``,
+in tokens).  A load needs every chunk's full-attention parts, but a window's parts only of the
+chunks that hold its last ``window`` tokens (``window_start``): the blocks vLLM keeps for that
+group.  Such parts are saved only while all their tokens are still in the group's blocks, so a
+window part may be missing where its full-attention parts are present; ``leading_hits`` counts
+a chunk as a hit only when the load that ends with it finds every part it needs.
 
 Parts are placed on the ring by their own keys, so a chunk's parts spread over the nodes and a
 rank's load draws from all of them in parallel.
@@ -23,28 +32,44 @@ rank's load draws from all of them in parallel.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 _COORDS = struct.Struct(">HHH")  # head, first layer, end layer: the 6 bytes after a part's chunk key
+_WINDOW = struct.Struct(">I")  # a hybrid layout's part: its attention kind (0: full, else the window)
+
+
+def window_start(end: int, window: int, block_size: int) -> int:
+    """The first token a sliding-window group keeps blocks for once ``end`` tokens are computed:
+    the start of the block holding the oldest token the next one attends to (vLLM frees the
+    blocks before it, ``SlidingWindowManager.get_num_skipped_tokens``)."""
+    return max(0, end - window + 1) // block_size * block_size
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkPart:
-    """One stored object of a chunk: KV head ``head`` over layers ``[first_layer, end_layer)``."""
+    """One stored object of a chunk: KV head ``head`` over layers ``[first_layer, end_layer)`` --
+    all of them, or (a hybrid layout) those whose attention has ``window`` (0: full attention)."""
 
     head: int
     first_layer: int
     end_layer: int
+    window: int | None = None
 
     def key(self, chunk_key: bytes) -> bytes:
-        return chunk_key + _COORDS.pack(self.head, self.first_layer, self.end_layer)
+        key = chunk_key + _COORDS.pack(self.head, self.first_layer, self.end_layer)
+        return key if self.window is None else key + _WINDOW.pack(self.window)
+
+    def layers(self, windows: Sequence[int] = ()) -> tuple[int, ...]:
+        """The model layers this part holds, in order (``windows``: each layer's window, 0 full)."""
+        span = range(self.first_layer, self.end_layer)
+        return tuple(span) if self.window is None else tuple(i for i in span if windows[i] == self.window)
 
     @property
     def announces(self) -> bool:
         """Whether this part names the chunk's vLLM blocks for the pool's KV events: head 0 of
-        the first stage, so each chunk is announced once, not once per part."""
-        return self.head == 0 and self.first_layer == 0
+        the first stage (its full-attention layers), so each chunk is announced once."""
+        return self.head == 0 and self.first_layer == 0 and not self.window
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +79,12 @@ class ChunkParts:
 
     num_kv_heads: int
     stages: tuple[tuple[int, int], ...]
+    windows: tuple[int, ...] = ()  # a hybrid layout: each model layer's sliding window (0: full attention)
 
     @property
     def parts(self) -> tuple[ChunkPart, ...]:
-        return tuple(ChunkPart(h, first, end) for first, end in self.stages for h in range(self.num_kv_heads))
+        return tuple(ChunkPart(h, first, end, w) for first, end in self.stages
+                     for w in kinds(self.windows, first, end) for h in range(self.num_kv_heads))
 
     def keys(self, chunk_keys: Sequence[bytes]) -> list[bytes]:
         """The part keys of ``chunk_keys``, chunk after chunk (``len(parts)`` each)."""
@@ -68,6 +95,25 @@ class ChunkParts:
         """Per chunk: all of its parts present (``part_present`` in the order of ``keys``)."""
         n = len(self.parts)
         return [all(part_present[i:i + n]) for i in range(0, len(part_present), n)]
+
+    def leading_hits(self, part_present: Sequence[bool], chunk_size: int, load_end: Callable[[int], int],
+                     block_size: int) -> int:
+        """How many leading chunks a load can take (``part_present`` in the order of ``keys``):
+        the most ``k`` such that the chunks before ``k`` have every full-attention part, and for
+        each sliding window, the chunks holding that window's tokens before ``load_end(k)`` (the
+        token a load of ``k`` chunks ends at) have its parts."""
+        parts = self.parts
+        n = len(parts)
+        chunks = [part_present[i:i + n] for i in range(0, len(part_present), n)]
+        full = [i for i, p in enumerate(parts) if not p.window]
+        run = next((c for c, got in enumerate(chunks) if not all(got[i] for i in full)), len(chunks))
+        windowed = {w: [i for i, p in enumerate(parts) if p.window == w] for w in {p.window for p in parts if p.window}}
+        for k in range(run, 0, -1):
+            end = load_end(k)
+            if all(chunks[c][i] for w, idx in windowed.items()
+                   for c in range(window_start(end, w, block_size) // chunk_size, -(-end // chunk_size)) for i in idx):
+                return k
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +149,18 @@ class RankShard:
         """The only worker of an instance without tensor or pipeline parallelism."""
         return cls.of_rank(num_kv_heads, 1, 0, (0, num_layers))
 
-    def part(self, local_head: int) -> ChunkPart:
-        """The part of the head at index ``local_head`` of this worker's cache."""
-        return ChunkPart(self.heads[local_head], self.first_layer, self.end_layer)
+    def part(self, local_head: int, window: int | None = None) -> ChunkPart:
+        """The part of the head at index ``local_head`` of this worker's cache (of the layers with
+        ``window``, in a hybrid layout)."""
+        return ChunkPart(self.heads[local_head], self.first_layer, self.end_layer, window)
 
     @property
     def saved_heads(self) -> tuple[int, ...]:
         """Indices (in this worker's cache) of the heads it stores."""
         return tuple(i for i, s in enumerate(self.saves) if s)
+
+
+def kinds(windows: Sequence[int], first: int, end: int) -> tuple[int | None, ...]:
+    """The attention kinds layers ``[first, end)`` are stored by: ``(None,)`` (all together) for
+    a layout without windows, else each window among them, full attention (0) first."""
+    return (None,) if not windows else tuple(sorted(set(windows[first:end])))

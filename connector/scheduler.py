@@ -24,12 +24,12 @@ from kvring.cachenode.client import ClusterClient, ReadMeter
 from kvring.common.chunk import ChunkBlocks
 
 from .adapters import AdapterIdentities
-from .admission import LoadCostModel
+from .admission import LoadBytes, LoadCostModel
 from .block_events import chunk_blocks
 from .config import ConnectorConfig
 from .keys import KVLayout
 from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
-from .parts import ChunkParts
+from .parts import ChunkParts, window_start
 from .request_inputs import RequestInputs, read_request
 from .stats import Counters, transfers_of
 
@@ -47,6 +47,7 @@ class Lookup:
     hit_chunks: int | None = None  # leading chunks present in the cluster
     hit_tokens: int = 0  # what vLLM was told it can load, counted from the prompt's start
     admitted: bool | None = None  # admission's decision, made once per lookup however often vLLM asks
+    load_failed: bool = False  # its async load failed: vLLM asks again, and it recomputes
     counted: bool = False  # its tokens are in the hit-rate counters
     meter: ReadMeter = field(default_factory=ReadMeter)  # what each node's answer cost
     shares: dict[str, float] = field(default_factory=dict)  # node -> its fraction of the present parts
@@ -59,7 +60,7 @@ class RequestTracker:
     req_id: str
     prompt_len: int
     keys: list[bytes]  # keys of the prompt's whole chunks (then decode chunks), maybe a partial last
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group (a sliding window's freed blocks stay listed)
     saved_chunks: int  # whole chunks known to be in the cluster (hit or saved)
     inputs: RequestInputs | None = None
     request: object = None  # vLLM's Request (its all_token_ids grow while decoding)
@@ -86,7 +87,7 @@ class _LateLookups:
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, layout: KVLayout, client: ClusterClient, block_size: int,
-                 bytes_per_token: int, parts: ChunkParts | None = None) -> None:
+                 bytes_per_token: int | LoadBytes, parts: ChunkParts | None = None) -> None:
         self.config = config
         self.layout = layout
         # What a chunk's load needs: every KV head of every pipeline stage (None: one stage).
@@ -94,13 +95,15 @@ class SchedulerSide:
         self.client = client
         self.block_size = block_size
         self.chunk = layout.chunk_size
+        self.windows = sorted(set(layout.windows) - {0})  # a hybrid layout's sliding windows
         self.adapters = AdapterIdentities(config.adapter_identity)
         self.weights_epoch = 0
         self.counters = Counters()
         self.cost = LoadCostModel(bytes_per_token, config.timeout, config.load_deadline_ms / 1000)
         self._lookups: dict[str, Lookup] = {}
         self._pending_load: dict[str, LoadSpec] = {}
-        self._async_loads: dict[str, tuple[LoadSpec, list[int]]] = {}  # req -> (load, its blocks)
+        self._async_loads: dict[str, tuple[LoadSpec, list[list[int]]]] = {}  # req -> (load, its blocks per group)
+        self._loading: dict[str, set[int]] = {}  # async loads under way: req -> its blocks in group 0
         self._trackers: dict[str, RequestTracker] = {}
         self._requests: dict[str, object] = {}
         self._wait_left = 0.0  # seconds this step may still wait for lookups in flight
@@ -149,13 +152,15 @@ class SchedulerSide:
             concurrent.futures.wait([fut], timeout=min(self._wait_left, left))
             self._wait_left -= time.monotonic() - t0
         if fut.done():
+            n_tokens = len(lookup.inputs.tokens)
             try:
-                present = self.parts.present(fut.result())  # a chunk is there when all its parts are
+                # A chunk is a hit when the load that ends with it finds every part it needs.
+                lookup.hit_chunks = self.parts.leading_hits(fut.result(), self.chunk,
+                                                            lambda k: self._load_end(k, n_tokens), self.block_size)
             except Exception as exc:  # the cluster could not answer: a miss, never an error in vLLM
                 logger.warning("kvring lookup for request %s failed, recomputing: %s", req_id, exc)
                 self.counters.add(lookup_errors=1)
-                present = []
-            lookup.hit_chunks = next((i for i, hit in enumerate(present) if not hit), len(present))
+                lookup.hit_chunks = 0
             transfers = lookup.meter.transfers()
             self.cost.looked_up(transfers)
             hits = sum(t.hits for t in transfers)
@@ -188,11 +193,7 @@ class SchedulerSide:
         if hit is None:
             return None, False
         n_tokens = len(lookup.inputs.tokens) if lookup.inputs is not None else 0
-        # A partial last chunk (save_unfull_chunk) covers only the prompt's remaining tokens.
-        hit_tokens = min(hit * self.chunk, n_tokens)
-        # At least the last prompt token is always computed, and vLLM takes external hits in
-        # whole blocks: a full hit loads up to the last block boundary before the last token.
-        hit_tokens = min(hit_tokens, (n_tokens - 1) // self.block_size * self.block_size)
+        hit_tokens = self._load_end(hit, n_tokens)
         lookup.hit_tokens = 0
         if hit_tokens <= num_computed_tokens:
             return 0, False
@@ -207,10 +208,17 @@ class SchedulerSide:
                 logger.info("kvring: request %s recomputes %d tokens instead of loading them (%s; load %s "
                             "predicted, recompute %s)", req_id, new, decision.refusal,
                             _seconds(decision.load_s), _seconds(decision.recompute_s))
-        if lookup.admitted is False:
+        if lookup.admitted is False or lookup.load_failed:
             return 0, False
         lookup.hit_tokens = hit_tokens
         return new, self.config.load_mode == "async"
+
+    def _load_end(self, chunks: int, n_tokens: int) -> int:
+        """The token a load of a prompt's first ``chunks`` chunks ends at."""
+        # A partial last chunk (save_unfull_chunk) covers only the prompt's remaining tokens.
+        # At least the last prompt token is always computed, and vLLM takes external hits in
+        # whole blocks: a full hit loads up to the last block boundary before the last token.
+        return max(0, min(chunks * self.chunk, n_tokens, (n_tokens - 1) // self.block_size * self.block_size))
 
     # ---- allocation and the step plan -------------------------------------------------------
 
@@ -226,12 +234,14 @@ class SchedulerSide:
         start = vllm_cached // self.chunk * self.chunk  # round down to a chunk boundary
         last = -(-hit_tokens // self.chunk)
         keys = lookup.keys[start // self.chunk:last]
+        window_from = {w: window_start(hit_tokens, w, self.block_size) for w in self.windows}
         if self.config.load_mode == "async":
             load = LoadSpec(keys, start, vllm_cached, hit_tokens, asynchronous=True,
-                            deadline_s=self.cost.deadline_s(num_external_tokens))
-            self._async_loads[request.request_id] = (load, list(blocks.get_block_ids()[0]))
+                            deadline_s=self.cost.deadline_s(num_external_tokens), window_from=window_from)
+            self._async_loads[request.request_id] = (load, [list(b) for b in blocks.get_block_ids()])
         else:
-            self._pending_load[request.request_id] = LoadSpec(keys, start, vllm_cached, hit_tokens)
+            self._pending_load[request.request_id] = LoadSpec(keys, start, vllm_cached, hit_tokens,
+                                                              window_from=window_from)
 
     def build_connector_meta(self, scheduler_output) -> KVRingMetadata:
         start = time.perf_counter()
@@ -240,7 +250,8 @@ class SchedulerSide:
         self.new_step()
         meta = KVRingMetadata()
         for req_id, (load, block_ids) in self._async_loads.items():
-            meta.requests.append(ReqMeta(req_id, self._slots(block_ids, load.end), block_ids, load, None))
+            meta.requests.append(self._req_meta(req_id, block_ids, load.end, load, None))
+            self._loading[req_id] = set(block_ids[0])
         self._async_loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
             lookup = self._lookups.pop(new.req_id, None)
@@ -250,14 +261,14 @@ class SchedulerSide:
             hit = (lookup.hit_chunks or 0) if lookup is not None else 0
             whole = prompt_len // self.chunk
             inputs = lookup.inputs if lookup is not None else None
-            tracker = RequestTracker(new.req_id, prompt_len, keys, list(new.block_ids[0]),
+            tracker = RequestTracker(new.req_id, prompt_len, keys, [list(b) for b in new.block_ids],
                                      saved_chunks=min(hit, whole), inputs=inputs,
                                      request=self._requests.get(new.req_id),
                                      tail_done=hit > whole or len(keys) == whole,
                                      namespace=self.layout.namespace(inputs.scope) if inputs else "")
             self._trackers[new.req_id] = tracker
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            self._plan(meta, tracker, self._pending_load.pop(new.req_id, None), done)
+            self._plan(meta, tracker, self._pending_load.pop(new.req_id, None), new.num_computed_tokens, done)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracker = self._trackers.get(req_id)
@@ -265,12 +276,14 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # preempted: all blocks were replaced
-                tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+                tracker.block_ids = [list(b) for b in new_blocks] if new_blocks else [[] for _ in tracker.block_ids]
                 self._lookups.pop(req_id, None)
             elif new_blocks is not None:
-                tracker.block_ids.extend(new_blocks[0])
-            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._plan(meta, tracker, self._pending_load.pop(req_id, None), done)
+                for table, more in zip(tracker.block_ids, new_blocks):
+                    table.extend(more)
+            computed = cached.num_computed_tokens[i]
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan(meta, tracker, self._pending_load.pop(req_id, None), computed, done)
         self.counters.add(scheduler_hook_seconds=time.perf_counter() - start)
         return meta
 
@@ -280,16 +293,23 @@ class SchedulerSide:
         t = np.arange(end, dtype=np.int64)
         return blocks[t // self.block_size] * self.block_size + t % self.block_size
 
-    def _plan(self, meta: KVRingMetadata, tracker: RequestTracker, load: LoadSpec | None, done: int) -> None:
-        save = self._save_spec(tracker, done)
+    def _req_meta(self, req_id: str, block_ids: list[list[int]], end: int, load: LoadSpec | None,
+                  save: SaveSpec | None) -> ReqMeta:
+        slots = [self._slots(table, end) for table in block_ids]
+        return ReqMeta(req_id, slots[0], list(block_ids[0]), load, save,
+                       group_slot_mappings=slots if len(slots) > 1 else [])
+
+    def _plan(self, meta: KVRingMetadata, tracker: RequestTracker, load: LoadSpec | None, computed: int,
+              done: int) -> None:
+        save = self._save_spec(tracker, computed, done)
         if load is None and save is None:
             return
         end = max(load.end if load else 0, save.end if save else 0)
-        meta.requests.append(ReqMeta(tracker.req_id, self._slots(tracker.block_ids, end), list(tracker.block_ids),
-                                     load, save))
+        meta.requests.append(self._req_meta(tracker.req_id, tracker.block_ids, end, load, save))
 
-    def _save_spec(self, tracker: RequestTracker, done: int) -> SaveSpec | None:
-        """The chunks whose KV is complete at the end of this step and not yet in the cluster."""
+    def _save_spec(self, tracker: RequestTracker, computed: int, done: int) -> SaveSpec | None:
+        """The chunks whose KV is complete at the end of this step (which computes tokens
+        ``[computed, done)``) and not yet in the cluster."""
         c = self.chunk
         if tracker.inputs is None:
             return None
@@ -312,7 +332,10 @@ class SchedulerSide:
         tracker.saved_chunks = max(tracker.saved_chunks, full)
         if not keys:
             return None
-        return SaveSpec(keys, start, end, tracker.namespace, self._blocks(tracker, start, end, len(keys)))
+        # vLLM freed each sliding window's blocks before its window when this step was scheduled
+        # (from ``computed``, or fewer): its parts of chunks reaching before that are not saved.
+        live_from = {w: window_start(computed, w, self.block_size) for w in self.windows}
+        return SaveSpec(keys, start, end, tracker.namespace, self._blocks(tracker, start, end, len(keys)), live_from)
 
     def _blocks(self, tracker: RequestTracker, start: int, end: int, n: int) -> list[ChunkBlocks | None]:
         """The vLLM blocks of each of the ``n`` chunks saved from token ``start`` (for KV events)."""
@@ -328,12 +351,23 @@ class SchedulerSide:
         stats = getattr(connector_output, "kv_connector_stats", None)
         data = getattr(stats, "data", None) or {}
         self.cost.loaded(transfers_of(data))
+        # An async load that failed (its request, or blocks of it) sends the request back to
+        # waiting, and vLLM asks for its hit again: it recomputes instead of loading again.
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        failed |= {req_id for req_id, blocks in self._loading.items() if blocks & invalid}
+        for req_id in failed:
+            lookup = self._lookups.get(req_id)
+            if lookup is not None:
+                lookup.load_failed = True
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._loading.pop(req_id, None)
 
     def request_finished(self, request) -> None:
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is not None and lookup.future is not None:
             lookup.future.cancel()
-        for table in (self._pending_load, self._async_loads, self._trackers, self._requests):
+        for table in (self._pending_load, self._async_loads, self._loading, self._trackers, self._requests):
             table.pop(request.request_id, None)
 
     def reset_cache(self) -> bool:

@@ -17,9 +17,17 @@ gates ``wait_for_layer_load(l)``), ``bulk`` (the whole job before the forward) a
 and is reported done by ``get_finished``; a load past its deadline is abandoned — no copy
 lands in its blocks after that — and its blocks recompute).
 
+A hybrid model (vLLM's hybrid KV-cache manager: a block table per KV-cache group, sliding-window
+groups keeping only their window's blocks) is loaded and saved group by group: each layer goes
+through its own group's slot mapping, a sliding-window part is fetched and written only for the
+tokens the load's window keeps (``LoadSpec.window_from``) and saved only for chunks still whole
+in its group's blocks (``SaveSpec.live_from``), and its loads are async.
+
 Nothing here raises into vLLM: a load that fails reports the block ids it should have filled
-(``get_block_ids_with_load_errors``) so vLLM recomputes them; a failed save is logged, counted
-and dropped.
+(``get_block_ids_with_load_errors``) so vLLM recomputes them -- or, with several KV-cache groups,
+whose block ids vLLM cannot map back to requests, fails the request's whole load
+(``get_transfer_results``' ``failed_recving``) so vLLM recomputes it; a failed save is logged,
+counted and dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -39,8 +48,9 @@ from kvring.common.chunk import ChunkItem
 
 from .config import ConnectorConfig
 from .copies import buffer_runs, copies_for, slot_runs
+from .instance import KVGroups
 from .metadata import KVRingMetadata, ReqMeta, SaveSpec
-from .parts import RankShard
+from .parts import ChunkPart, RankShard, kinds
 from .stats import Counters
 
 logger = logging.getLogger(__name__)
@@ -48,12 +58,21 @@ logger = logging.getLogger(__name__)
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
+class WorkerPart(NamedTuple):
+    """One part this worker stores and loads: its head's index in this worker's cache and the
+    positions (in ``WorkerSide.layer_names``) of the part's layers, in the part's order."""
+
+    part: ChunkPart
+    head: int
+    layers: tuple[int, ...]
+
+
 class _PartLoad(NamedTuple):
     """Where one part of a load goes."""
 
     req: ReqMeta
     chunk: int  # index of its chunk in the request's load
-    head: int  # index of its head in this worker's cache
+    part: WorkerPart
     job_chunk: int  # its chunk's number in the job (slot runs are per chunk)
 
 
@@ -65,6 +84,7 @@ class _LoadJob:
         self.layer_done = [threading.Event() for _ in worker.layer_names]
         self.finished = threading.Event()
         self.failed_blocks: set[int] = set()
+        self.failed_reqs: set[str] = set()  # requests with a block that could not be loaded
         self.deadline = (time.monotonic() + max(r.load.deadline_s for r in requests)
                          if all(r.load.deadline_s > 0 for r in requests) else None)
         # Held by every copy into the cache; ``abandon`` takes it, so no copy lands after it.
@@ -75,25 +95,30 @@ class _LoadJob:
         self.seconds = 0.0  # until the last layer was
         self.nbytes = 0
         self.meter = ReadMeter()  # what each node's share cost (admission learns from it)
-        # One flat list of part keys over all requests: each chunk's parts of this worker's
-        # heads in turn, and where each goes.
-        heads = range(len(worker.shard.heads))
-        parts = [worker.shard.part(j) for j in heads]
+        # One flat list of part keys over all requests: each chunk's parts of this worker in
+        # turn (a sliding window's only where the load's window keeps tokens), and where each goes.
         self.keys: list[bytes] = []
         self.owner: list[_PartLoad] = []
         self.chunks = 0
-        self._runs: dict[int, list] = {}  # job chunk -> its slot runs (the same for every head and layer)
+        self._runs: dict[tuple, list] = {}  # (job chunk, group, window) -> its slot runs
         for req in requests:
             for k, key in enumerate(req.load.keys):
-                for j in heads:
-                    self.keys.append(parts[j].key(key))
-                    self.owner.append(_PartLoad(req, k, j, self.chunks))
+                first = req.load.start + k * worker.chunk
+                for wp in worker.parts:
+                    if wp.part.window and first + worker.chunk <= req.load.window_from[wp.part.window]:
+                        continue  # before the window: vLLM keeps no blocks of this group there
+                    self.keys.append(wp.part.key(key))
+                    self.owner.append(_PartLoad(req, k, wp, self.chunks))
                 self.chunks += 1
+        # Layerwise loads gate layer l on layer l of every part: parts of one kind only.
+        self.uniform = len({o.part.layers for o in self.owner}) <= 1
 
     def run(self) -> None:
         w = self.worker
         found: list = [None] * len(self.keys)
         got = np.zeros((len(w.layer_names), len(self.keys)), dtype=bool)
+        for i, owner in enumerate(self.owner):
+            got[len(owner.part.layers):, i] = True  # layers a part does not have
         unusable: set[int] = set()
         error = False
         try:
@@ -113,7 +138,7 @@ class _LoadJob:
                         unusable.add(i)
                         logger.warning("kvring chunk part %d of this step is unusable (%s); recomputing its "
                                        "chunk", i, exc)
-                if got[layer].all():
+                if self.uniform and got[layer].all():
                     if layer == 0:
                         self.first_layer_s = time.perf_counter() - self.started
                     w.copies.layer_loaded(layer)
@@ -149,29 +174,37 @@ class _LoadJob:
             self.worker.counters.transfers(self.meter.transfers(abandoned=True))
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
-        req, k = self.owner[i].req, self.owner[i].chunk
-        chunk = self.worker.chunk
-        first = req.load.start + k * chunk
-        lo, hi = max(first, req.load.write_from), min(first + chunk, req.load.end)
-        return req, first, lo, hi
+        """Part ``i``'s request, its chunk's first token and the tokens ``[lo, hi)`` it writes."""
+        owner = self.owner[i]
+        req, chunk, window = owner.req, self.worker.chunk, owner.part.part.window
+        first = req.load.start + owner.chunk * chunk
+        lo = max(first, req.load.write_from, req.load.window_from[window] if window else 0)
+        return req, first, lo, min(first + chunk, req.load.end)
 
     def _scatter(self, layer: int, i: int, view) -> None:
         w = self.worker
         req, first, lo, hi = self._tokens(i)
         if hi <= lo:
             return
-        part = self.owner[i]
-        runs = self._runs.get(part.job_chunk)
+        owner = self.owner[i]
+        target = owner.part.layers[layer]
+        group = w.layer_groups[target]
+        runs = self._runs.get((owner.job_chunk, group, owner.part.part.window))
         if runs is None:
-            runs = self._runs[part.job_chunk] = slot_runs(req.slot_mapping[lo:hi], w.block_size)
+            slots = req.slots(group)[lo:hi]
+            if w.groups.hybrid and (slots < w.block_size).any():
+                raise ValueError("its window reaches a block vLLM did not allocate")  # never vLLM's null block
+            runs = self._runs[(owner.job_chunk, group, owner.part.part.window)] = slot_runs(slots, w.block_size)
         # Straight from the (read-only) socket frame into the paged cache, at the part's head.
-        w.copies.load(w.head_views[layer][part.head], runs, view, lo - first)
+        w.copies.load(w.head_views[target][owner.part.head], runs, view, lo - first)
 
     def _fail(self, i: int) -> int:
-        """Fail the blocks chunk ``i`` was to write; how many new failed blocks."""
+        """Fail the blocks part ``i`` was to write (with several KV-cache groups, its request's
+        whole load); how many new failed blocks."""
         req, _, lo, hi = self._tokens(i)
         if hi <= lo:
             return 0
+        self.failed_reqs.add(req.req_id)
         blocks = set((req.slot_mapping[lo:hi] // self.worker.block_size).tolist()) - self.failed_blocks
         self.failed_blocks |= blocks
         return len(blocks)
@@ -180,18 +213,51 @@ class _LoadJob:
         self.layer_done[layer].wait()
 
 
+class _SavePart(NamedTuple):
+    """One part of a save: its buffers, one per chunk from ``first_chunk`` on."""
+
+    part: WorkerPart
+    first_chunk: int
+    bufs: list[torch.Tensor]
+
+
+@dataclass
+class _Save:
+    """One request's save of one step, filled layer by layer during the forward."""
+
+    spec: SaveSpec
+    rows: list[int]  # tokens of each chunk (only the last may be partial)
+    parts: dict[WorkerPart, _SavePart]
+    _runs: dict[tuple[int, int], list]
+    block_size: int
+    chunk: int
+
+    def runs(self, req: ReqMeta, group: int, first_chunk: int) -> list:
+        """Where the tokens of chunks ``first_chunk..`` are in ``group``'s blocks: ``buffer_runs``."""
+        runs = self._runs.get((group, first_chunk))
+        if runs is None:
+            slots = req.slots(group)[self.spec.start + first_chunk * self.chunk:self.spec.end]
+            runs = self._runs[(group, first_chunk)] = buffer_runs(slots, self.block_size, self.rows[first_chunk:])
+        return runs
+
+
 class WorkerSide:
     """One worker's loads and saves.  ``shard``: the KV heads and layers this worker holds
     (``instance.rank_shard``); ``None``: an instance without tensor or pipeline parallelism
     (every head and layer of the caches it registers)."""
 
     def __init__(self, config: ConnectorConfig, client: ClusterClient, chunk_size: int, block_size: int,
-                 shard: RankShard | None = None) -> None:
+                 shard: RankShard | None = None, groups: KVGroups | None = None) -> None:
         self.config = config
         self.client = client
         self.chunk = chunk_size
         self.block_size = block_size
         self.shard = shard
+        self.groups = groups or KVGroups({})
+        self.layer_groups: list[int] = []  # per layer here: its KV-cache group (block table)
+        self.parts: list[WorkerPart] = []  # the parts this worker loads
+        self._saved_parts: list[WorkerPart] = []
+        self._save_rows: list[list[tuple[WorkerPart, int]]] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.head_views: list[list[torch.Tensor]] = []  # [layer][head in the cache]: [B, 1, N, C] views
         self.layer_names: list[str] = []
@@ -199,8 +265,8 @@ class WorkerSide:
         self._load: _LoadJob | None = None
         self._load_thread: threading.Thread | None = None
         self._failed: set[int] = set()
-        # req -> (per saved head, one layer-major buffer per chunk; the save's slot runs into them)
-        self._saves: dict[str, tuple[list[list[torch.Tensor]], list]] = {}
+        self._failed_loads: set[str] = set()  # several KV-cache groups: requests whose load failed
+        self._saves: dict[str, _Save] = {}  # req -> its save of this step, filled layer by layer
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvring-save")
         # async mode: one job per request, a few at a time; req -> its job until get_finished
         self._async_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvring-async-load")
@@ -229,6 +295,30 @@ class WorkerSide:
                              f"{len(self.layer_names)} layers, but its tensor/pipeline-parallel rank should hold "
                              f"{len(shard.heads)} heads of layers [{shard.first_layer}, {shard.end_layer})")
         self.head_views = [[kv[:, j:j + 1] for j in range(len(shard.heads))] for kv in kv_caches.values()]
+        self.layer_groups = [self.groups.group_of(name) for name in self.layer_names]
+        self.parts = self._parts()
+        self._saved_parts = [p for p in self.parts if self.shard.saves[p.head]]  # one replica of each head
+        # per layer: the saved parts holding it, and its row in them
+        self._save_rows: list[list[tuple[WorkerPart, int]]] = [[] for _ in self.layer_names]
+        for part in self._saved_parts:
+            for row, layer in enumerate(part.layers):
+                self._save_rows[layer].append((part, row))
+
+    def _parts(self) -> list[WorkerPart]:
+        """This worker's parts: one per head (per head and attention kind in a hybrid layout)."""
+        shard, windows = self.shard, self.groups.windows
+        if not windows:
+            every = tuple(range(len(self.layer_names)))
+            return [WorkerPart(shard.part(j), j, every) for j in range(len(shard.heads))]
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        position = {extract_layer_index(name): i for i, name in enumerate(self.layer_names)}
+        parts = []
+        for window in kinds(windows, shard.first_layer, shard.end_layer):
+            for j in range(len(shard.heads)):
+                part = shard.part(j, window)
+                parts.append(WorkerPart(part, j, tuple(position[layer] for layer in part.layers(windows))))
+        return parts
 
     # ---- loads ----------------------------------------------------------------------------
 
@@ -263,7 +353,8 @@ class WorkerSide:
         self._async_pool.submit(run)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """async mode: the requests whose loads finished, or were abandoned past their deadline."""
+        """async mode: the requests whose loads finished, or were abandoned past their deadline
+        (with several KV-cache groups, those that failed are also in ``failed_loads``)."""
         if not self._async_jobs:
             return None, None
         now = time.monotonic()
@@ -277,23 +368,34 @@ class WorkerSide:
                                    "recompute", req_id, time.perf_counter() - job.started)
             if job.finished.is_set() or job.abandoned:
                 if req_id not in finished_req_ids:  # an aborted request's blocks are freed, not recomputed
-                    self._failed |= job.failed_blocks
+                    if not self.groups.several:
+                        self._failed |= job.failed_blocks
+                    elif job.failed_reqs:
+                        self._failed_loads.add(req_id)
                 done.add(req_id)
                 del self._async_jobs[req_id]
         return None, done or None
+
+    def failed_loads(self) -> set[str]:
+        """Several KV-cache groups: the requests ``get_finished`` reported whose loads failed
+        (vLLM recomputes each whole: it cannot map block ids of several groups to requests)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def fail_loads(self, meta: KVRingMetadata) -> None:
         """Report every block this step meant to load as failed (the load could not start)."""
         self._load = None
         for req in meta.requests:
-            if req.load is not None and req.load.end > req.load.write_from:
-                slots = req.slot_mapping[req.load.write_from:req.load.end]
-                blocks = set((slots // self.block_size).tolist())
-                self.counters.failed("error", len(blocks - self._failed))
-                self._failed |= blocks
-                job = self._async_jobs.pop(req.req_id, None)
-                if job is not None:
-                    job.abandon()
+            if req.load is None or req.load.end <= req.load.write_from:
+                continue
+            job = self._async_jobs.get(req.req_id)
+            if job is not None:  # get_finished reports it done, with its blocks (or itself) failed
+                job.abandon()
+                continue
+            slots = req.slot_mapping[req.load.write_from:req.load.end]
+            blocks = set((slots // self.block_size).tolist())
+            self.counters.failed("error", len(blocks - self._failed))
+            self._failed |= blocks
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._load
@@ -339,36 +441,52 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: KVRingMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         layer = self._layer_index[layer_name]
-        heads = self.shard.saved_heads
-        if not heads:  # every head here is a replica another rank stores
+        if not self._saved_parts:  # every head here is a replica another rank stores
             return
         for req in meta.requests:
             if req.save is None:
                 continue
-            save = req.save
-            if req.req_id not in self._saves:  # per head, one buffer per chunk; only the last may be partial
-                rows = [min(self.chunk, save.end - save.start - i * self.chunk) for i in range(len(save.keys))]
-                bufs = [[self.copies.new_save_buffer((len(self.layer_names), n, *self.token_shape), self.dtype)
-                         for n in rows] for _ in heads]
-                runs = buffer_runs(req.slot_mapping[save.start:save.end], self.block_size, rows)
-                self._saves[req.req_id] = (bufs, runs)
-            bufs, runs = self._saves[req.req_id]
-            for j, head_bufs in zip(heads, bufs):
-                self.copies.gather_into(self.head_views[layer][j], runs, head_bufs, layer)
+            save = self._saves.get(req.req_id)
+            if save is None:
+                save = self._saves[req.req_id] = self._new_save(req)
+            for part, row in self._save_rows[layer]:
+                entry = save.parts.get(part)
+                if entry is not None:
+                    self.copies.gather_into(self.head_views[layer][part.head],
+                                            save.runs(req, self.layer_groups[layer], entry.first_chunk),
+                                            entry.bufs, row)
             if layer == len(self.layer_names) - 1:
-                self._saver.submit(self._put, save, self._saves.pop(req.req_id)[0], self.copies.saved())
+                self._saver.submit(self._put, self._saves.pop(req.req_id), self.copies.saved())
 
-    def _put(self, save: SaveSpec, bufs: list[list[torch.Tensor]], copied=None) -> None:
-        """Store the saved heads' parts of ``save``'s chunks (``bufs[head][chunk]``)."""
+    def _new_save(self, req: ReqMeta) -> _Save:
+        """Buffers for ``req``'s save: per part this worker stores, one layer-major buffer per
+        chunk it saves (a sliding window's only for chunks still whole in its blocks)."""
+        save = req.save
+        rows = [min(self.chunk, save.end - save.start - i * self.chunk) for i in range(len(save.keys))]
+        entries = {}
+        for part in self._saved_parts:
+            window = part.part.window
+            skip = -(-(save.live_from[window] - save.start) // self.chunk) if window else 0
+            first = min(max(skip, 0), len(rows))
+            bufs = [self.copies.new_save_buffer((len(part.layers), n, *self.token_shape), self.dtype)
+                    for n in rows[first:]]
+            if bufs:
+                entries[part] = _SavePart(part, first, bufs)
+        return _Save(save, rows, entries, {}, self.block_size, self.chunk)
+
+
+    def _put(self, save: _Save, copied=None) -> None:
+        """Store the parts of ``save``'s chunks this worker holds."""
         start = time.perf_counter()
-        blocks = save.blocks or [None] * len(save.keys)
-        parts = [self.shard.part(j) for j in self.shard.saved_heads]
-        n = len(parts) * len(save.keys)
+        spec = save.spec
+        blocks = spec.blocks or [None] * len(spec.keys)
+        n = sum(len(entry.bufs) for entry in save.parts.values())
         try:
             self.copies.wait_saved(copied)  # on CUDA: the device-to-host copies have landed
-            items = [ChunkItem.of(part.key(key), buf.view(torch.uint8).numpy(), list(buf.shape), self.dtype_name,
-                                  buf.shape[1], save.namespace).with_blocks(b if part.announces else None)
-                     for part, head_bufs in zip(parts, bufs) for key, buf, b in zip(save.keys, head_bufs, blocks)]
+            items = [ChunkItem.of(entry.part.part.key(spec.keys[c]), buf.view(torch.uint8).numpy(), list(buf.shape),
+                                  self.dtype_name, buf.shape[1], spec.namespace)
+                     .with_blocks(blocks[c] if entry.part.part.announces else None)
+                     for entry in save.parts.values() for c, buf in enumerate(entry.bufs, start=entry.first_chunk)]
             stored = self.client.put_many(items)
             saved = [item for item, s in zip(items, stored) if s]
             self.parts_saved += len(saved)

@@ -13,6 +13,8 @@ SPEC (JSON)::
      "max_model_len": 8192, "max_tokens": 8, "prefix_caching": false, "kv_cache_gib": 1,
      "block_size": 16,                   # optional: vLLM's KV block size (MLA on CPU needs 16)
      "disable_hybrid_kv_cache_manager": false,  # optional: one KV-cache group for every layer
+     "max_num_batched_tokens": 8192,     # optional: tokens per step (default max_model_len); fewer
+                                         #   than a prompt's: its prefill is chunked over steps
      "tensor_parallel_size": 1, "pipeline_parallel_size": 1,  # optional: workers in processes of
                                          #   their own, one CPU each (VLLM_CPU_OMP_THREADS_BIND)
      "connector": {...} | null,          # KVRingConnector's kv_connector_extra_config
@@ -96,6 +98,38 @@ def write_tiny_llama(path: Path, layers: int = 2, hidden: int = 256, heads: int 
                          head_dim=head_dim or hidden // heads)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
+    return path
+
+
+def write_tiny_sliding_llama(path: Path, layer_types: Sequence[str], window: int, hidden: int = 256, heads: int = 4,
+                             kv_heads: int = 2, vocab: int = 2048, seed: int = 0) -> Path:
+    """A small random-weight Llama whose layers are ``"sliding_attention"`` (a window of ``window``
+    tokens) or ``"full_attention"``, as ``layer_types`` says (Mistral- or gpt-oss-style windows)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=len(layer_types),
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=16384, torch_dtype="float32", sliding_window=window,
+                         layer_types=list(layer_types))
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def write_tiny_gemma3(path: Path, layers: int = 6, window: int = 512, hidden: int = 256, heads: int = 4,
+                      kv_heads: int = 1, head_dim: int = 64, vocab: int = 2048, seed: int = 0) -> Path:
+    """A small random-weight Gemma 3 (text): five sliding-window layers to one full-attention
+    layer, a local and a global RoPE base, query-key norms, as the released configs have."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                              head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window,
+                              max_position_embeddings=16384, torch_dtype="float32")
+    Gemma3ForCausalLM(config).save_pretrained(path)
     return path
 
 
@@ -375,7 +409,8 @@ def engine_kwargs(spec: dict) -> dict[str, Any]:
                 dtype=spec.get("dtype", "bfloat16"),
                 enable_prefix_caching=spec.get("prefix_caching", False),
                 max_model_len=spec.get("max_model_len", 8192),
-                max_num_batched_tokens=spec.get("max_model_len", 8192), gpu_memory_utilization=0.5, seed=0,
+                max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 8192)),
+                gpu_memory_utilization=0.5, seed=0,
                 disable_log_stats=False, **kw)
 
 
@@ -386,11 +421,28 @@ def layout_of(spec: dict, chunk_size: int):
     """
     from vllm.engine.arg_utils import EngineArgs
 
-    from kvring.connector.instance import layout_from_vllm
-
     kw = engine_kwargs({**spec, "connector": None})
-    config = EngineArgs(**kw).create_engine_config()
-    return layout_from_vllm(config, chunk_size)
+    return _layout(EngineArgs(**kw).create_engine_config(), chunk_size)
+
+
+def _layout(vllm_config, chunk_size: int):
+    """The connector's layout for an engine of ``vllm_config``, as seen from outside its processes.
+
+    The connector reads each layer's sliding window from the KV-cache groups vLLM gives it in
+    the engine's processes; from here they are read off the model's config (``layer_types`` and
+    ``sliding_window``, as the Llama, Gemma 2/3, gpt-oss and Mistral configs give them) when
+    vLLM keeps its hybrid KV-cache manager on.
+    """
+    from kvring.connector.instance import KVGroups, layout_from_vllm
+
+    text = vllm_config.model_config.hf_text_config
+    window = getattr(text, "sliding_window", None)
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    windows: tuple[int, ...] = ()
+    if window and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        types = getattr(text, "layer_types", None) or ["sliding_attention"] * layers
+        windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    return layout_from_vllm(vllm_config, chunk_size, groups=KVGroups({}, windows))
 
 
 def run(spec: dict) -> dict:
@@ -442,11 +494,11 @@ def run(spec: dict) -> dict:
     layout_fields = parts = None
     if spec.get("connector"):
         from kvring.cachenode.client import ClusterClient
-        from kvring.connector.instance import chunk_parts, layout_from_vllm
+        from kvring.connector.instance import chunk_parts
         from kvring.connector.keys import KeyScope, request_keys
 
         with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
-            layout = layout_from_vllm(llm.llm_engine.vllm_config, c.contract.chunk_size)
+            layout = _layout(llm.llm_engine.vllm_config, c.contract.chunk_size)
         parts = [dataclasses.astuple(p) for p in chunk_parts(llm.llm_engine.vllm_config, layout).parts]
         # Keys of plain token prompts only: how the connector keys a prompt under an adapter or
         # given as embeddings is the connector's business, so those items get None.

@@ -1,67 +1,135 @@
-"""A model with sliding-window layers next to full-attention ones, served by the real vLLM engine.
+"""Models with sliding-window layers next to full-attention ones, served by the real vLLM engine
+with its hybrid KV-cache manager on (one KV-cache group per attention kind, and a sliding-window
+group keeps blocks only for its window's tokens).
 
-vLLM keeps its hybrid KV-cache manager on (the connector declares ``SupportsHMA``), which gives
-the model one KV-cache group per attention kind; kvring does not load chunks into several block
-tables yet, so the connector refuses the model at start, saying why and naming the flag that
-makes it servable, instead of letting vLLM turn its hybrid manager off or serving it wrongly.
-With that flag (``--disable-hybrid-kv-cache-manager``) every layer keeps its full KV in one
-group, and an instance loads what another stored, its output equal to its own recompute.
+Each group is loaded and saved as it needs: the full-attention layers of every chunk, the
+sliding-window layers only of the chunks holding the window before the load's end (the only
+blocks vLLM allocates for them), and a window's part of a chunk is saved only while all its
+tokens are still in that group's blocks.  Loads of several groups are async, and a load that
+fails fails its request, which vLLM recomputes whole.  In every case the output after a load
+equals a recompute's.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import time
 
+import numpy as np
 import pytest
 
-from kvring.engine.run import run_instance
+from kvring.cachenode.client import ClusterClient
+from kvring.connector.keys import request_keys
+from kvring.connector.parts import window_start
+from kvring.engine.run import (decision_between, layout_of, run_instance, start_instance, write_tiny_gemma3,
+                               write_tiny_sliding_llama)
 from kvring.local.cluster import LocalCluster
+
+CHUNK = 256
+WINDOW = 128  # smaller than a chunk (gpt-oss's window): a window's part can leave before its chunk is whole
+LAYERS = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+BLOCK = 32  # the CPU backend's block size for these models (vLLM rounds smaller ones up to it)
+BYTES = 2 * 64 * 4  # per token, layer and KV head: K and V of 64 channels, float32 (2 KV heads)
 
 
 @pytest.fixture(scope="module")
-def hybrid_model(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096,
-                         torch_dtype="bfloat16", sliding_window=256,
-                         layer_types=["sliding_attention", "full_attention"])
-    path = tmp_path_factory.mktemp("hybrid") / "sliding-llama"
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    assert json.loads((path / "config.json").read_text())["layer_types"][0] == "sliding_attention"
-    return str(path)
+def sliding_llama(tmp_path_factory):
+    return str(write_tiny_sliding_llama(tmp_path_factory.mktemp("hybrid") / "sliding-llama", LAYERS, WINDOW))
 
 
-def test_a_hybrid_model_is_refused_at_start_and_hma_stays_on(etcd_server, hybrid_model, tmp_path):
-    with LocalCluster(nodes=1, memory=64 << 20, etcd=etcd_server.endpoint, cluster="e2e-hybrid") as cluster:
-        spec = {"model": hybrid_model, "max_model_len": 2048,
-                "connector": {"etcd": cluster.etcd, "cluster": cluster.cluster},
-                "prompts": [{"tokens": list(range(10, 600))}]}
-        (tmp_path / "spec.json").write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp_path / "spec.json"),
-                               str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0, "the engine served a hybrid model through the connector"
-    assert "KVRingConnector cannot serve this model without risking wrong KV" in log, log[-4000:]
-    assert "2 KV-cache groups" in log and "SlidingWindowSpec" in log, log[-4000:]
-    assert "--disable-hybrid-kv-cache-manager" in log, log[-4000:]
-    # The refusal came from the connector with vLLM's hybrid KV manager on, not after turning it off.
-    assert "Turning off hybrid kv cache manager" not in log
-    assert not (tmp_path / "out.json").exists()
+def _spec(model: str, conn: dict, prompts: list, **more) -> dict:
+    return {"model": model, "dtype": "float32", "max_model_len": 2048, "block_size": BLOCK, "connector": conn,
+            "prompts": prompts, **more}
 
 
-def test_with_the_hybrid_manager_off_it_loads_what_another_instance_stored(etcd_server, hybrid_model, tmp_path):
-    prompt = list(range(10, 1110))  # 4 whole chunks, longer than the 256-token window
-    with LocalCluster(nodes=2, memory=128 << 20, etcd=etcd_server.endpoint, cluster="e2e-hybrid-off") as cluster:
+def test_a_sliding_window_model_loads_only_its_window_and_equals_a_recompute(etcd_server, sliding_llama, tmp_path):
+    rng = np.random.default_rng(3)
+    whole = rng.integers(10, 2000, size=1100).tolist()  # 4 whole chunks, prefilled in one step
+    chunked = rng.integers(10, 2000, size=700).tolist()  # prefilled in steps of 450 tokens
+    with LocalCluster(nodes=2, memory=128 << 20, etcd=etcd_server.endpoint, cluster="e2e-hybrid") as cluster:
         conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
                 "lookup_deadline_ms": 10_000}
-        base = {"model": hybrid_model, "dtype": "float32", "max_model_len": 2048, "connector": conn,
-                "disable_hybrid_kv_cache_manager": True}
-        run_instance(tmp_path, "A", {**base, "prompts": [{"tokens": prompt}]})
-        b = run_instance(tmp_path, "B", {**base, "prompts": [{"tokens": prompt, "salt": "b"}, {"tokens": prompt}]})
+        a = run_instance(tmp_path, "A", _spec(sliding_llama, conn, [{"tokens": whole}]))
+        run_instance(tmp_path, "A2", _spec(sliding_llama, conn, [{"tokens": chunked}], max_num_batched_tokens=450))
+        b = run_instance(tmp_path, "B", _spec(sliding_llama, conn, [
+            {"tokens": whole, "salt": "b"}, {"tokens": whole}, {"tokens": chunked, "salt": "b"}, {"tokens": chunked}]))
+    assert a["layout"]["windows"] == [WINDOW, WINDOW, WINDOW, 0]
+    ref, loaded, chunked_ref, chunked_loaded = b["results"]
+    assert ref["cached"] == 0 and loaded["cached"] == 4 * CHUNK
+    assert loaded["tokens"] == ref["tokens"] == a["results"][0]["tokens"]
+    # What the load fetched: the full-attention layer of all 4 chunks, the 3 sliding layers only
+    # of the chunk holding the window before token 1024 (vLLM allocates no blocks before it).
+    first = window_start(4 * CHUNK, WINDOW, BLOCK)
+    assert first // CHUNK == 3
+    fetched = b["steps"][1]["counters"]["loaded_bytes"] - b["steps"][0]["counters"]["loaded_bytes"]
+    assert fetched == (4 * 1 + 1 * 3) * CHUNK * 2 * BYTES
+    # A2 computed chunk 1 ([256, 512)) in its second step, from token 450, when vLLM had freed the
+    # window's blocks before token 320: that chunk's sliding part was not saved (its first tokens
+    # were gone), so a load may end at chunk 1 only, whose window chunk 0 holds.
+    assert window_start(450, WINDOW, BLOCK) > CHUNK
+    assert chunked_ref["cached"] == 0 and chunked_loaded["cached"] == CHUNK
+    assert chunked_loaded["tokens"] == chunked_ref["tokens"]
+
+
+def test_a_gemma3_like_model_loads_what_another_instance_stored(etcd_server, tmp_path):
+    model = str(write_tiny_gemma3(tmp_path / "gemma3", layers=6, window=512))
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(10, 2000, size=1100).tolist()
+    with LocalCluster(nodes=2, memory=128 << 20, etcd=etcd_server.endpoint, cluster="e2e-gemma3") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
+                "lookup_deadline_ms": 10_000}
+        a = run_instance(tmp_path, "A", _spec(model, conn, [{"tokens": prompt}]))
+        b = run_instance(tmp_path, "B", _spec(model, conn, [{"tokens": prompt, "salt": "b"}, {"tokens": prompt}]))
+    assert a["layout"]["windows"] == [512] * 5 + [0]
     ref, loaded = b["results"]
-    assert ref["cached"] == 0 and loaded["cached"] == 1024 and loaded["tokens"] == ref["tokens"]
+    assert ref["cached"] == 0 and loaded["cached"] == 4 * CHUNK
+    assert loaded["tokens"] == ref["tokens"] == a["results"][0]["tokens"]
+
+
+def _wait_saved(client: ClusterClient, layout, prompts: list[list[int]], timeout: float = 120.0) -> None:
+    keys = [k for p in prompts for k in layout.parts().keys(request_keys(layout, p))]
+    deadline = time.monotonic() + timeout
+    while not all(client.lookup(keys)):
+        assert time.monotonic() < deadline, "the prompts' chunks were not all saved"
+        time.sleep(0.2)
+
+
+def test_a_node_stopped_or_killed_during_a_hybrid_load_ends_in_a_recompute(etcd_server, sliding_llama, tmp_path):
+    rng = np.random.default_rng(11)
+    with LocalCluster(nodes=3, memory=128 << 20, etcd=etcd_server.endpoint, cluster="e2e-hybrid-fail",
+                      node_args=["--fault-injection"]) as cluster:
+        victim = cluster.nodes[1]
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            assert client.wait_for_nodes(3)
+            layout = layout_of(_spec(sliding_llama, None, []), client.contract.chunk_size)
+            assert layout.chunk_size == CHUNK and layout.windows == (WINDOW, WINDOW, WINDOW, 0)
+            prompts = [rng.integers(10, 2000, size=1100).tolist() for _ in range(3)]
+            for p in prompts:  # every prompt has parts on the victim
+                assert victim.node_id in client.ring.primaries(layout.parts().keys(request_keys(layout, p)))
+            conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
+                    "lookup_deadline_ms": 5000.0, "timeout": 3.0}
+            poison = f"{victim.admin_addr}/debug/signal-on-get?signal="
+            steps = [{"batch": [{"tokens": p} for p in prompts]},  # 0-2: computed and saved
+                     {"touch": str(tmp_path / "computed")}, {"wait_for": str(tmp_path / "saved"), "timeout": 300},
+                     {"tokens": prompts[0]},  # 3: loaded, every node healthy
+                     {"post": poison + "SIGSTOP", "headers": cluster.node_auth},
+                     {"tokens": prompts[1]},  # 4: its load stops the victim: times out, recomputed
+                     {"signal": [victim.pid, "SIGCONT"]},
+                     {"post": poison + "SIGKILL", "headers": cluster.node_auth},
+                     {"tokens": prompts[2]}]  # 5: its load kills the victim: recomputed
+            (tmp_path / "vllm-tmp").mkdir()
+            instance = start_instance(tmp_path, "engine", _spec(sliding_llama, conn, steps, max_tokens=6),
+                                      tmpdir=tmp_path / "vllm-tmp")
+            try:
+                instance.wait_file(tmp_path / "computed", 600)
+                _wait_saved(client, layout, prompts)
+                (tmp_path / "saved").touch()
+                out = instance.result(timeout=600)
+            finally:
+                instance.stop()
+    r, counters = out["results"], [s["counters"] for s in out["steps"]]
+    assert out["layout"]["windows"] == list(layout.windows)
+    assert r[3]["cached"] == 4 * CHUNK and r[3]["tokens"] == r[0]["tokens"]
+    for i, signal in ((4, "stopped"), (5, "killed")):
+        assert decision_between(counters[i - 3], counters[i - 2]) == "load failed", signal
+        # vLLM took the failed load of several groups as a failed request and recomputed it whole.
+        assert r[i]["cached"] == 0 and r[i]["tokens"] == r[i - 3]["tokens"], signal
