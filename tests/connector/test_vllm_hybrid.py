@@ -108,7 +108,7 @@ def test_a_node_stopped_or_killed_during_a_hybrid_load_ends_in_a_recompute(etcd_
             conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
                     "lookup_deadline_ms": 5000.0, "timeout": 3.0}
             poison = f"{victim.admin_addr}/debug/signal-on-get?signal="
-            steps = [{"batch": [{"tokens": p} for p in prompts]},  # 0-2: computed and saved
+            steps = [*({"tokens": p} for p in prompts),  # 0-2: computed and saved (each prefilled in one step)
                      {"touch": str(tmp_path / "computed")}, {"wait_for": str(tmp_path / "saved"), "timeout": 300},
                      {"tokens": prompts[0]},  # 3: loaded, every node healthy
                      {"post": poison + "SIGSTOP", "headers": cluster.node_auth},
@@ -130,6 +130,7 @@ def test_a_node_stopped_or_killed_during_a_hybrid_load_ends_in_a_recompute(etcd_
     assert out["layout"]["windows"] == list(layout.windows)
     assert r[3]["cached"] == 4 * CHUNK and r[3]["tokens"] == r[0]["tokens"]
     for i, signal in ((4, "stopped"), (5, "killed")):
-        assert decision_between(counters[i - 3], counters[i - 2]) == "load failed", signal
+        # (a stopped node's share outlasts the async load's deadline, which abandons it)
+        assert decision_between(counters[i - 1], counters[i]) in ("load failed", "abandoned"), signal
         # vLLM took the failed load of several groups as a failed request and recomputed it whole.
         assert r[i]["cached"] == 0 and r[i]["tokens"] == r[i - 3]["tokens"], signal
