@@ -140,7 +140,8 @@ def check_kv_groups(kv_cache_config) -> None:
     odd = [named(i, g) for i, g in enumerate(groups) if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec)]
     sizes = {g.kv_cache_spec.block_size for g in groups}
     if odd:
-        problem = (f"{'; '.join(odd)} is neither full-attention nor sliding-window KV, the kinds kvring loads "
+        problem = (f"{'; '.join(odd)} {'is' if len(odd) == 1 else 'are'} neither full-attention nor sliding-window "
+                   "KV, the kinds kvring loads "
                    f"{'into several KV-cache groups' if len(groups) > 1 else ''}").rstrip()
     elif len(sizes) > 1:
         problem = f"its KV-cache groups have block sizes {sorted(sizes)}, and kvring loads groups of one block size"

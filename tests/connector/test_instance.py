@@ -1,5 +1,5 @@
 """Which vLLM KV caches the connector serves, on vLLM's own KV-cache spec records (no engine:
-the engine-level refusal of a sliding-window model is in test_vllm_hybrid.py)."""
+real engines serving sliding-window hybrids are in test_vllm_hybrid.py, MLA in test_vllm_mla.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec,
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MambaSpec,
+                                        MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec)
 
-from kvring.connector.instance import check_kv_groups
+from kvring.connector.instance import KVGroups, check_kv_groups
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
@@ -20,25 +20,41 @@ def _config(*specs) -> SimpleNamespace:
                                             for i, spec in enumerate(specs)])
 
 
-@pytest.mark.parametrize("spec", [FULL, MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
-                                                          dtype=torch.bfloat16)], ids=["full", "mla"])
-def test_one_full_attention_or_mla_group_is_served(spec):
-    check_kv_groups(_config(spec))
-
-
 SLIDING = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128)
+WIDE = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=1024)
 MAMBA = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
 MLA = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+LOCAL = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                  attention_chunk_size=256)
+SLIDING_MLA = SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                                   sliding_window=128)
+FULL32 = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 HYBRID_FIX = "--disable-hybrid-kv-cache-manager"
 
 
+@pytest.mark.parametrize("specs", [(FULL,), (MLA,), (SLIDING,), (FULL, SLIDING), (SLIDING, SLIDING, WIDE, FULL)],
+                         ids=["full", "mla", "sliding-only", "hybrid", "two-windows"])
+def test_full_attention_mla_and_sliding_window_groups_are_served(specs):
+    check_kv_groups(_config(*specs))
+
+
+def test_the_groups_give_each_layer_its_block_table_and_window():
+    groups = KVGroups.of(_config(SLIDING, SLIDING, WIDE, FULL), num_layers=4)
+    assert groups.several and groups.hybrid and groups.windows == (128, 128, 1024, 0)
+    assert [groups.group_of(f"layers.{i}.attn") for i in range(4)] == [0, 1, 2, 3]
+    one = KVGroups.of(_config(FULL), num_layers=1)
+    assert not one.several and not one.hybrid and one.windows == ()
+
+
 @pytest.mark.parametrize("specs, why, fix", [
-    ((FULL, SLIDING), ["2 KV-cache groups", "group 1 (SlidingWindowSpec: layers.1.attn)"], HYBRID_FIX),
-    ((MLA, MLA), ["2 KV-cache groups", "group 0 (MLAAttentionSpec"], HYBRID_FIX),
-    ((SLIDING,), ["group 0 (SlidingWindowSpec: layers.0.attn) is neither full-attention nor MLA"],
+    ((MLA, MLA), ["group 0 (MLAAttentionSpec", "neither full-attention nor sliding-window"], HYBRID_FIX),
+    ((FULL, LOCAL), ["group 1 (ChunkedLocalAttentionSpec: layers.1.attn)"], HYBRID_FIX),
+    ((MLA, SLIDING_MLA), ["group 1 (SlidingWindowMLASpec"], HYBRID_FIX),
+    ((FULL32, SLIDING), ["block sizes [16, 32]"], HYBRID_FIX),
+    ((LOCAL,), ["group 0 (ChunkedLocalAttentionSpec: layers.0.attn) is neither full-attention nor sliding-window"],
      "without --kv-transfer-config"),
     ((FULL, MAMBA), ["group 1 (MambaSpec: layers.1.attn)", "not attention KV"], "without --kv-transfer-config"),
-], ids=["sliding-hybrid", "two-mla-groups", "sliding-only", "mamba"])
+], ids=["two-mla-groups", "chunked-local", "sliding-mla", "block-sizes", "local-only", "mamba"])
 def test_caches_it_cannot_load_correctly_are_refused_naming_the_group_and_the_fix(specs, why, fix):
     with pytest.raises(ValueError, match="cannot serve this model without risking wrong KV") as err:
         check_kv_groups(_config(*specs))

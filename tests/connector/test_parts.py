@@ -11,7 +11,7 @@ import pytest
 
 from kvring.connector.keys import KVLayout, request_keys
 from kvring.connector.instance import stage_layers
-from kvring.connector.parts import ChunkPart, ChunkParts, RankShard
+from kvring.connector.parts import ChunkPart, ChunkParts, RankShard, window_start
 
 LAYOUT = KVLayout(model="m", config_fingerprint="f", kv_dtype="bfloat16", num_layers=4, num_kv_heads=4,
                   head_size=16, block_layout="BHNC", chunk_size=16)
@@ -80,3 +80,52 @@ def test_stage_layers_are_vllms_split():
     assert stage_layers(4, 2) == ((0, 2), (2, 4))
     assert stage_layers(5, 2) in (((0, 3), (3, 5)), ((0, 2), (2, 5)))  # vLLM's rounding, whichever it is
     assert ChunkParts(2, stage_layers(6, 3)).parts[-1] == ChunkPart(1, 4, 6)
+
+
+# A hybrid layout: layers 0 and 2 slide over 64 tokens, layer 1 over 256, layer 3 is full attention.
+HYBRID = KVLayout(model="m", config_fingerprint="f", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2,
+                  head_size=16, block_layout="BHNC", chunk_size=16, windows=(64, 256, 64, 0))
+
+
+def test_a_hybrid_layout_stores_a_part_per_attention_kind_under_keys_of_its_own():
+    parts = HYBRID.parts().parts
+    assert [(p.head, p.window, p.layers(HYBRID.windows)) for p in parts] == [
+        (0, 0, (3,)), (1, 0, (3,)), (0, 64, (0, 2)), (1, 64, (0, 2)), (0, 256, (1,)), (1, 256, (1,))]
+    assert [p for p in parts if p.announces] == [ChunkPart(0, 0, 4, 0)]
+    plain = KVLayout(**{**HYBRID.__dict__, "windows": ()})
+    assert HYBRID.namespace() != plain.namespace()  # never the chunks of the same model with one group
+    assert plain.parts().parts == (ChunkPart(0, 0, 4), ChunkPart(1, 0, 4))
+    keys = {p.key(b"k" * 16) for p in parts}
+    assert len(keys) == 6 and keys.isdisjoint(p.key(b"k" * 16) for p in plain.parts().parts)
+
+
+@pytest.mark.parametrize("end, window, block, first", [(64, 64, 16, 0), (65, 64, 16, 0), (80, 64, 16, 16),
+                                                       (100, 64, 16, 32), (100, 64, 32, 32), (10, 256, 16, 0)])
+def test_a_window_keeps_the_blocks_from_the_oldest_token_the_next_one_attends_to(end, window, block, first):
+    assert window_start(end, window, block) == first
+
+
+def _flags(chunks: int, missing: dict[int, set[int | None]]) -> list[bool]:
+    """Part presence of ``chunks`` chunks of HYBRID, without the parts of kinds ``missing[c]``."""
+    parts = HYBRID.parts().parts
+    return [p.window not in missing.get(c, set()) for c in range(chunks) for p in parts]
+
+
+def _hits(flags: list[bool], n_tokens: int) -> int:
+    return HYBRID.parts().leading_hits(flags, 16, lambda k: min(k * 16, n_tokens - 1), block_size=16)
+
+
+@pytest.mark.parametrize("missing, hits", [
+    ({}, 20),  # every part there: every chunk
+    ({5: {0}}, 5),  # a full-attention part missing: no load reaches past it
+    ({2: {64, 256}}, 20),  # window parts long before the end: no window reaches them
+    # The 64-token window of a load ending at token 320 needs chunks 16-19; one of 19 chunks
+    # (ending at 304) needs 15-18.
+    ({19: {64}}, 19),
+    # The 256-token window of loads of 18 to 20 chunks reaches chunk 17; that of 17 (ending at
+    # 272) needs chunks 1-16.
+    ({17: {256}}, 17),
+    ({17: {256}, 16: {64}}, 16),  # and the 64-token window of that load (chunks 13-16) reaches chunk 16
+])
+def test_a_hit_needs_the_full_parts_of_every_chunk_and_each_windows_parts_before_its_end(missing, hits):
+    assert _hits(_flags(20, missing), n_tokens=20 * 16 + 1) == hits
