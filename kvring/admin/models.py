@@ -109,6 +109,15 @@ class LayoutIn(BaseModel):
     chunk_size: int = Field(ge=1)
     weights_version: str = ""
     latent: bool = Field(False, description="An MLA model: one latent of head_size per token and layer.")
+    windows: list[int] = Field(default_factory=list, description=(
+        "A sliding-window hybrid served with vLLM's hybrid KV-cache manager: each layer's window in tokens "
+        "(0: full attention), num_layers of them; empty for every other model."))
+
+    @model_validator(mode="after")
+    def _windows_per_layer(self) -> LayoutIn:
+        if self.windows and (len(self.windows) != self.num_layers or min(self.windows) < 0):
+            raise ValueError(f"windows needs one window >= 0 per layer ({self.num_layers}), got {len(self.windows)}")
+        return self
 
 
 class MMSpanIn(BaseModel):

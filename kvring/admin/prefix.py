@@ -55,6 +55,7 @@ class PromptKeys:
     parts: list[bytes]
     per_chunk: int
     part_owners: list[list[str]]
+    layout_parts: ChunkParts  # what each chunk is stored as (and which of it a load needs)
 
 
 def keys_and_owners(body: LookupIn, chunk_size: int, ring: HashRing | None, cluster: str) -> PromptKeys:
@@ -64,31 +65,34 @@ def keys_and_owners(body: LookupIn, chunk_size: int, ring: HashRing | None, clus
         namespace, keys = body.namespace, chained_hashes(body.namespace, body.token_ids, chunk_size)
         parts = ChunkParts(body.num_kv_heads, stages or ((0, body.num_layers),))
     else:
-        layout = KVLayout(**body.layout.model_dump())
+        layout = KVLayout(**{**body.layout.model_dump(), "windows": tuple(body.layout.windows)})
         scope = KeyScope(cache_salt=body.cache_salt or "", adapter=body.adapter, weights_epoch=body.weights_epoch)
         spans = [MMSpan(**s.model_dump()) for s in body.mm_spans]
         namespace, keys = layout.namespace(scope), request_keys(layout, body.token_ids, scope, spans)
         parts = layout.parts(stages)
     part_keys = parts.keys(keys)
     if not keys:
-        return PromptKeys(namespace, [], [], len(parts.parts), [])
+        return PromptKeys(namespace, [], [], len(parts.parts), [], parts)
     if ring is None or not ring.nodes:
         raise NoOwners(f"no active node in cluster {cluster!r}")
-    return PromptKeys(namespace, keys, part_keys, len(parts.parts), ring.owners_many(part_keys))
+    return PromptKeys(namespace, keys, part_keys, len(parts.parts), ring.owners_many(part_keys), parts)
 
 
 def chunk_views(keys: PromptKeys, held: Sequence[list[str]], chunk_size: int) -> tuple[int, list[ChunkView]]:
-    """How many leading chunks are cached (each of their parts held by one of its owners, where
-    the connector's lookup looks), and each chunk as the answer lists it (``held``: the members
-    holding each part key)."""
+    """How many leading chunks are cached (every part a load of them needs held by one of its
+    owners, where the connector's lookup looks: of a hybrid layout's sliding windows, only the
+    parts of the chunks holding each window before the last chunk's end), and each chunk as the
+    answer lists it (``held``: the members holding each part key)."""
     n = keys.per_chunk
-    matched, views = 0, []
+    flags = [bool(set(own) & set(h)) for own, h in zip(keys.part_owners, held)]
+    # Block size unknown here: a window's first block is taken to start on a chunk boundary,
+    # which covers every block size that divides the chunk.
+    matched = keys.layout_parts.leading_hits(flags, chunk_size, lambda k: k * chunk_size, block_size=chunk_size)
+    views = []
     for i, key in enumerate(keys.chunks):
         owners = keys.part_owners[i * n:(i + 1) * n]
         holders = held[i * n:(i + 1) * n]
-        parts_held = sum(bool(set(own) & set(h)) for own, h in zip(owners, holders))
-        if matched == i and parts_held == n:
-            matched += 1
+        parts_held = sum(flags[i * n:(i + 1) * n])
         views.append(ChunkView(index=i, key=key.hex(), tokens=(i * chunk_size, (i + 1) * chunk_size),
                                in_prefix=i < matched, owners=_union(owners), held_by=_union(holders),
                                parts=n, parts_held=parts_held))

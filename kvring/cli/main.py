@@ -472,6 +472,35 @@ def bench_e2e(
                   json_out=json_out, plot=plot)
 
 
+@bench_app.command("shapes")
+def bench_shapes(
+    tokens: Annotated[str, typer.Option(help="Prompt lengths, comma-separated.")] = "2048,4096",
+    repetitions: Annotated[int, typer.Option(help="Recompute and load pairs per prompt, interleaved.", min=1)] = 3,
+    layers: Annotated[int, typer.Option(help="Layers of every model (at least 6: the hybrid's sixth layer is its "
+                                             "full-attention one).", min=6)] = 6,
+    hidden: Annotated[int, typer.Option(help="Hidden size of every model (8 heads).", min=64)] = 1024,
+    memory: Annotated[str, typer.Option("--memory", help="Cache budget per node.")] = "2GiB",
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """Stored bytes per token and time to first token, loaded vs recomputed, of a Llama, an MLA model
+    (DeepSeek-V2) and a sliding-window hybrid (Gemma-3-like) of the same size, through one local cluster."""
+    from kvring.bench.shapes import run_bench_shapes
+
+    try:
+        sizes = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{tokens!r} is not a comma-separated list of token counts, e.g. 2048,4096",
+                                 param_hint="--tokens") from None
+    if any(n < 300 for n in sizes):
+        raise typer.BadParameter("each prompt needs at least 300 tokens (one whole chunk and more)",
+                                 param_hint="--tokens")
+    result = run_bench_shapes(sizes, layers=layers, hidden=hidden, repetitions=repetitions,
+                              memory=_size(memory, "--memory"), json_out=json_out, plot=plot)
+    if not all(r["identical"] for s in result["shapes"].values() for r in s["rows"]):
+        raise typer.Exit(1)
+
+
 @bench_app.command("miss")
 def bench_miss(
     prompts: Annotated[int, typer.Option(help="Prompts per batch (one generate call).", min=1)] = 32,

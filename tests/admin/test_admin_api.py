@@ -8,6 +8,8 @@ waits for a view read after the change."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 import signal
@@ -201,6 +203,38 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     assert short["chunks_total"] == 0 and short["matched_tokens"] == 0
 
 
+def test_a_hybrid_layouts_prefix_needs_its_windows_parts_only_where_the_window_reaches(api, cluster, client):
+    from kvring.connector.config import ConnectorConfig
+    from kvring.connector.scheduler import SchedulerSide
+
+    hybrid = dataclasses.replace(LAYOUT, windows=(128, 0))  # layer 0 slides over 128 tokens
+    tokens = [int(t) for t in np.random.default_rng(12).integers(0, 32_000, size=5 * 256 + 37)]
+    keys, parts = request_keys(hybrid, tokens), hybrid.parts()
+    full, window = [[p for p in parts.parts if p.window == w] for w in (0, 128)]
+    # Every full-attention part; the window's parts of chunks 0, 2 and 3 only.
+    _put(client, [p.key(k) for k in keys for p in full] + [p.key(keys[c]) for c in (0, 2, 3) for p in window])
+    body = {"token_ids": tokens, "layout": {**vars(hybrid), "windows": [128, 0]}}
+
+    def both() -> tuple[int, int]:
+        """The admin's prefix and the connector's own scheduler-side lookup's."""
+        admin = api.post("/v1/lookup", json=body).json()["matched_chunks"]
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as own:
+            sched = SchedulerSide(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster), hybrid, own,
+                                  block_size=16, bytes_per_token=256)
+            request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, cache_salt=None, mm_features=None)
+            sched.on_new_request(request)
+            for _ in range(500):
+                if sched.get_num_new_matched_tokens(request, 0)[0] is not None:
+                    break
+                time.sleep(0.01)
+            return admin, sched._lookups["r"].hit_chunks
+
+    # A load of all 5 chunks needs the window's part of chunk 4 only (tokens 1152-1279), missing.
+    assert both() == (4, 4)
+    _put(client, [p.key(keys[4]) for p in window])
+    assert both() == (5, 5)  # chunk 1's window part is never needed: a window never reaches back there
+
+
 @pytest.mark.parametrize("body, message", [
     ({"token_ids": [1, 2]}, "exactly one of 'namespace'"),
     ({"token_ids": [1], "namespace": "ns", "layout": vars(LAYOUT)}, "exactly one of 'namespace'"),
@@ -215,6 +249,7 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     ({"token_ids": [1], "layout": vars(LAYOUT), "stages": [[0, 1]]}, "'stages' must cut layers [0, 2)"),
     ({"token_ids": [1], "layout": {**vars(LAYOUT), "num_layers": 0}}, "greater than or equal to 1"),
     ({"token_ids": [1], "layout": {**vars(LAYOUT), "chunk_size": 16}}, "cluster's chunk size is 256"),
+    ({"token_ids": [1], "layout": {**vars(LAYOUT), "windows": [128]}}, "one window >= 0 per layer (2)"),
     ({"token_ids": [1] * 300, "layout": vars(LAYOUT),
       "mm_spans": [{"offset": 290, "length": 20, "item_hash": "img"}]}, "ends past the prompt"),
 ])
