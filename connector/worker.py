@@ -266,6 +266,7 @@ class WorkerSide:
         self._load_thread: threading.Thread | None = None
         self._failed: set[int] = set()
         self._failed_loads: set[str] = set()  # several KV-cache groups: requests whose load failed
+        self._unstarted: set[str] = set()  # async loads that failed before they started
         self._saves: dict[str, _Save] = {}  # req -> its save of this step, filled layer by layer
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvring-save")
         # async mode: one job per request, a few at a time; req -> its job until get_finished
@@ -355,10 +356,12 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """async mode: the requests whose loads finished, or were abandoned past their deadline
         (with several KV-cache groups, those that failed are also in ``failed_loads``)."""
-        if not self._async_jobs:
+        if not self._async_jobs and not self._unstarted:
             return None, None
         now = time.monotonic()
-        done = set()
+        done, self._unstarted = self._unstarted, set()
+        if self.groups.several:
+            self._failed_loads |= done - finished_req_ids
         for req_id, job in list(self._async_jobs.items()):
             if not job.finished.is_set() and (req_id in finished_req_ids or
                                               (job.deadline is not None and now > job.deadline)):
@@ -395,7 +398,10 @@ class WorkerSide:
             slots = req.slot_mapping[req.load.write_from:req.load.end]
             blocks = set((slots // self.block_size).tolist())
             self.counters.failed("error", len(blocks - self._failed))
-            self._failed |= blocks
+            if req.load.asynchronous:  # never started: get_finished reports it done (and failed)
+                self._unstarted.add(req.req_id)
+            if not self.groups.several:
+                self._failed |= blocks
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._load
