@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-
 from .admission import LoadBytes
 from .keys import KVLayout
 from .parts import ChunkParts, RankShard
@@ -34,6 +32,7 @@ class KVGroups:
     def of(cls, kv_cache_config, num_layers: int) -> KVGroups:
         """The groups of ``kv_cache_config`` (``None``: one group, e.g. a unit test's caches)."""
         from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         layer_groups = {name: g for g, group in enumerate(groups) for name in group.layer_names}
@@ -121,7 +120,7 @@ def check_kv_groups(kv_cache_config) -> None:
     model through the connector would risk wrong KV, so it is refused at start rather than run
     wrongly.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
 
@@ -155,6 +154,8 @@ def check_kv_groups(kv_cache_config) -> None:
 
 def _loadable(spec) -> bool:
     """Full attention (K and V per KV head), or MLA's latent: the caches kvring loads as one group."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
     if isinstance(spec, MLAAttentionSpec):
         return type(spec) is MLAAttentionSpec
     return isinstance(spec, FullAttentionSpec)

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -228,9 +228,9 @@ class _Save:
     spec: SaveSpec
     rows: list[int]  # tokens of each chunk (only the last may be partial)
     parts: dict[WorkerPart, _SavePart]
-    _runs: dict[tuple[int, int], list]
     block_size: int
     chunk: int
+    _runs: dict[tuple[int, int], list] = field(default_factory=dict)  # (group, first chunk) -> runs
 
     def runs(self, req: ReqMeta, group: int, first_chunk: int) -> list:
         """Where the tokens of chunks ``first_chunk..`` are in ``group``'s blocks: ``buffer_runs``."""
@@ -478,8 +478,7 @@ class WorkerSide:
                     for n in rows[first:]]
             if bufs:
                 entries[part] = _SavePart(part, first, bufs)
-        return _Save(save, rows, entries, {}, self.block_size, self.chunk)
-
+        return _Save(save, rows, entries, self.block_size, self.chunk)
 
     def _put(self, save: _Save, copied=None) -> None:
         """Store the parts of ``save``'s chunks this worker holds."""
