@@ -264,3 +264,36 @@ def test_bench_e2e_tp_sums_its_workers_loads_and_shows_both_tp_sizes(tmp_path):
     assert text.count("0.050 (0.040-0.070) s") == 2 and text.count("0.67 (0.50-0.70)") == 2 and "10.0x" in text
     tp_plot(results, tmp_path / "tp.png")
     assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(600)  # six vLLM engine starts: some 4 minutes on a 2-core machine
+def test_bench_shapes_stores_and_loads_a_llama_an_mla_model_and_a_hybrid(tmp_path):
+    """One run of `kvring bench shapes` on small models: each shape's stored bytes per token is
+    what its KV layout says (MLA: one 576-value latent per token and layer, below the Llama's
+    K and V of 4 heads of 128; the hybrid stores what the Llama does), and B's load of each
+    equals its recompute."""
+    out, plot = tmp_path / "shapes.json", tmp_path / "shapes.png"
+    before = set(glob.glob(str(Path(tempfile.gettempdir()) / "kvring-bench-shapes-*")))
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvring.cli", "bench", "shapes", "--tokens", "600",
+                           "--repetitions", "1", "--hidden", "256", "--memory", "256MiB", "--json", str(out),
+                           "--plot", str(plot)], capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "kvring bench shapes" in proc.stdout
+    r = json.loads(out.read_text())
+    shapes = r["shapes"]
+    assert list(shapes) == ["llama", "mla", "hybrid"]
+    layers, floats = r["model"]["layers"], 4
+    assert (shapes["mla"]["latent"], shapes["mla"]["kv_heads"], shapes["mla"]["head_size"]) == (True, 1, 576)
+    assert shapes["hybrid"]["windows"] == [512] * 5 + [0] and shapes["llama"]["windows"] == []
+    per_token = {name: s["rows"][0]["stored_bytes_per_token"] for name, s in shapes.items()}
+    assert per_token["llama"] == layers * 4 * 2 * 128 * floats
+    assert per_token["mla"] == layers * 576 * floats < per_token["llama"]
+    assert per_token["hybrid"] == per_token["llama"]
+    for name, s in shapes.items():
+        (row,) = s["rows"]
+        assert row["whole_chunk_tokens"] == 512 and row["stored_bytes"] == 512 * per_token[name], name
+        assert row["loaded_tokens"] > 0 and row["identical"], name
+        for rep in row["repetitions"]:
+            assert rep["recompute_cached"] == 0 and rep["loaded_tokens"] > 0 and rep["identical"], name
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert set(glob.glob(str(Path(tempfile.gettempdir()) / "kvring-bench-shapes-*"))) <= before  # nothing left

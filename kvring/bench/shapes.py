@@ -28,7 +28,9 @@ many layers so the bytes per token compare.
 Per model, instance A computes each prompt once and stores its chunks; the bench then sums
 ``meta.nbytes`` over every part key of each prompt the cluster holds (``stored``), and divides
 by the tokens of the prompt's whole chunks (the partial last chunk is never stored).  Instance
-B first runs a short warm-up prompt, then for each prompt, ``repetitions`` times, interleaved:
+B starts with A (its engine start and a short warm-up prompt overlap A's work) and waits until
+A has exited and the stored bytes are counted; then, the only engine running, for each prompt,
+``repetitions`` times, interleaved:
 a recompute (the prompt under a ``cache_salt`` of its own, which no chunk matches) and a load
 (the prompt as A ran it; vLLM's own prefix caching off, admission off, so every hit comes from
 kvring).  It reports B's time to first token loaded and recomputed (medians over the
@@ -58,6 +60,7 @@ SHAPES = ("llama", "mla", "hybrid")
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 128  # the Llama's and the hybrid's attention
 WINDOW = 512  # the hybrid's sliding window, in tokens
 VOCAB = 2048
+STEP_TIMEOUT_S = 1800  # the longest wait for one instance's step (a start, or B's measured prompts)
 # What each engine needs beyond the common spec (the MLA and hybrid ones as their tests run them).
 ENGINE = {"llama": {}, "mla": {"block_size": 16}, "hybrid": {"block_size": 32}}
 
@@ -80,9 +83,10 @@ def _prompts(sizes: Sequence[int], seed: int = 11) -> list[list[int]]:
     return [rng.integers(10, VOCAB, size=n).tolist() for n in sizes]
 
 
-def _b_items(prompts: list[list[int]], repetitions: int) -> list[dict]:
-    """B's prompts: a warm-up, then per prompt and repetition a recompute and a load."""
-    items = [_warmup("B")]
+def _b_items(prompts: list[list[int]], repetitions: int, ready: Path, go: Path) -> list[dict]:
+    """B's prompts: a warm-up, then (once A is done: ``go``) per prompt and repetition a recompute
+    and a load."""
+    items = [_warmup("B"), {"touch": str(ready)}, {"wait_for": str(go), "timeout": STEP_TIMEOUT_S}]
     for j, p in enumerate(prompts):
         for r in range(repetitions):
             items += [{"tokens": p, "salt": f"recompute-{j}-{r}"}, {"tokens": p}]
@@ -129,7 +133,7 @@ def _shape(layout: dict) -> dict:
 def run_bench_shapes(sizes: Sequence[int] = (2048, 4096), layers: int = 6, hidden: int = 1024,
                      repetitions: int = 3, memory: int = 2 << 30, json_out: Path | None = None,
                      plot: Path | None = None, console: Console | None = None) -> dict:
-    from kvring.engine.run import run_instance
+    from kvring.engine.run import run_instance, start_instance
 
     console = console or Console(width=None if Console().is_terminal else 220)
     prompts = _prompts(sizes)
@@ -150,11 +154,19 @@ def run_bench_shapes(sizes: Sequence[int] = (2048, 4096), layers: int = 6, hidde
                         "connector": conn, **ENGINE[shape]}
                 bar.advance(task)
                 bar.update(task, description=f"{shape}: vLLM instance A computes and stores {len(sizes)} prompts")
-                a = run_instance(tmp, f"{shape}-A", {**base, "prompts": [{"tokens": p} for p in prompts]})
-                stored = [_stored_bytes(client, a, j) for j in range(len(sizes))]
-                bar.advance(task)
-                bar.update(task, description=f"{shape}: vLLM instance B recomputes and loads, {repetitions}x each")
-                b = run_instance(tmp, f"{shape}-B", {**base, "prompts": _b_items(prompts, repetitions)})
+                ready, go = tmp / f"{shape}-B-ready", tmp / f"{shape}-B-go"
+                b_instance = start_instance(tmp, f"{shape}-B", {**base, "prompts": _b_items(prompts, repetitions,
+                                                                                            ready, go)})
+                try:
+                    a = run_instance(tmp, f"{shape}-A", {**base, "prompts": [{"tokens": p} for p in prompts]})
+                    stored = [_stored_bytes(client, a, j) for j in range(len(sizes))]
+                    bar.advance(task)
+                    bar.update(task, description=f"{shape}: vLLM instance B recomputes and loads, {repetitions}x each")
+                    b_instance.wait_file(ready, STEP_TIMEOUT_S)
+                    go.touch()
+                    b = b_instance.result(timeout=STEP_TIMEOUT_S)
+                finally:
+                    b_instance.stop()
                 bar.advance(task)
                 shapes[shape] = {**_shape(a["layout"]), "rows": _rows(a, b, stored, sizes, repetitions)}
     results = {"model": {"layers": layers, "hidden": hidden, "heads": HEADS, "vocab": VOCAB, "dtype": "float32",
