@@ -293,6 +293,8 @@ def test_bench_shapes_stores_and_loads_a_llama_an_mla_model_and_a_hybrid(tmp_pat
         (row,) = s["rows"]
         assert row["whole_chunk_tokens"] == 512 and row["stored_bytes"] == 512 * per_token[name], name
         assert row["loaded_tokens"] > 0 and row["identical"], name
+        # A load fetches every part of the prompt (the hybrid's window, 512, covers its 2 chunks).
+        assert row["fetched_bytes"]["median"] == row["stored_bytes"], name
         for rep in row["repetitions"]:
             assert rep["recompute_cached"] == 0 and rep["loaded_tokens"] > 0 and rep["identical"], name
     assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -19,7 +19,8 @@ fixed, so a GQA model with 2 KV heads of 128 (512 values) would store less than 
 8 (MHA, 2048) 3.6x more.  The hybrid stores what the Llama stores per token (each of its
 prompts is prefilled in one step, so every chunk's window parts are saved whole), but a load
 fetches its sliding layers only for the chunks holding the last window before the load's end:
-the ``fetched`` column (bytes the connector loaded over the tokens loaded) shows it.
+the ``fetched / token`` column (the bytes B's load of a prompt fetched, over the same tokens
+as ``stored / token``) shows it.
 
 The models have 6 layers, not fewer: Gemma 3's configuration makes every sixth layer a
 full-attention one, so with fewer than 6 the hybrid would have none; the other two have as
@@ -111,12 +112,12 @@ def _rows(a: dict, b: dict, stored: list[int], sizes: Sequence[int], repetitions
             reps.append({"recompute_ttft": recompute["ttft"], "ttft": loaded["ttft"], "loaded_tokens": loaded["cached"],
                          "recompute_cached": recompute["cached"], "fetched_bytes": _loaded_bytes(b["steps"], i + 1),
                          "identical": loaded["tokens"] == recompute["tokens"]})
-        loaded_tokens = min(x["loaded_tokens"] for x in reps)
+        loaded_tokens = min(x["loaded_tokens"] for x in reps)  # vLLM computes the last block whatever it loaded
         fetched = summary([x["fetched_bytes"] for x in reps])
         rows.append({"tokens": tokens, "whole_chunk_tokens": whole, "stored_bytes": stored[j],
                      "stored_bytes_per_token": stored[j] / whole if whole else math.nan,
-                     "loaded_tokens": loaded_tokens,
-                     "fetched_bytes_per_loaded_token": fetched["median"] / loaded_tokens if loaded_tokens else math.nan,
+                     "loaded_tokens": loaded_tokens, "fetched_bytes": fetched,
+                     "fetched_bytes_per_token": fetched["median"] / whole if whole else math.nan,
                      "ttft": summary([x["ttft"] for x in reps]),
                      "recompute_ttft": summary([x["recompute_ttft"] for x in reps]),
                      "identical": all(x["identical"] for x in reps), "repetitions": reps})
@@ -191,17 +192,18 @@ def _table(results: dict) -> Table:
     table = Table(title=f"kvring bench shapes: {m['layers']}-layer hidden-{m['hidden']} random models "
                         f"({m['dtype']}) on CPU, 3 nodes")
     for col in ("shape", "layers / KV heads / head size", "attention", "tokens", "stored", "stored / token",
-                "B loaded", "fetched / loaded token", "B TTFT", "recompute TTFT", "speed-up", "B = recompute"):
+                "B loaded", "fetched / token", "B TTFT", "recompute TTFT", "speed-up", "B = recompute"):
         table.add_column(col, justify="right")
     for name, s in results["shapes"].items():
         for r in s["rows"]:
             table.add_row(name, f"{s['layers']} / {s['kv_heads']} / {s['head_size']}", _attention(s), str(r["tokens"]),
                           f"{r['stored_bytes'] / 2**20:.1f} MiB", f"{r['stored_bytes_per_token'] / 2**10:.1f} KiB",
-                          str(r["loaded_tokens"]), f"{r['fetched_bytes_per_loaded_token'] / 2**10:.1f} KiB",
+                          str(r["loaded_tokens"]), f"{r['fetched_bytes_per_token'] / 2**10:.1f} KiB",
                           spread(r["ttft"], ".3f") + " s", spread(r["recompute_ttft"], ".3f") + " s",
                           f"{r['speedup']:.1f}x", "yes" if r["identical"] else "NO")
     table.caption = (f"on {results['machine']}; TTFT: median (min-max) of {results['repetitions']} repetitions; "
-                     "stored / token: bytes held for the prompt over its whole chunks' tokens")
+                     "per token: bytes held for the prompt (fetched: by B's load of it, median) over its whole "
+                     "chunks' tokens")
     return table
 
 
@@ -214,12 +216,12 @@ def _plot(results: dict, path: Path) -> None:
     sizes = [r["tokens"] for r in results["shapes"][names[0]]["rows"]]
     x = np.arange(len(names))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar(x - 0.2, [results["shapes"][n]["rows"][0]["stored_bytes_per_token"] / 2**10 for n in names], 0.4,
+    left.bar(x - 0.2, [results["shapes"][n]["rows"][-1]["stored_bytes_per_token"] / 2**10 for n in names], 0.4,
              label="stored")
-    left.bar(x + 0.2, [results["shapes"][n]["rows"][0]["fetched_bytes_per_loaded_token"] / 2**10 for n in names], 0.4,
+    left.bar(x + 0.2, [results["shapes"][n]["rows"][-1]["fetched_bytes_per_token"] / 2**10 for n in names], 0.4,
              label="fetched by a load")
     left.set_xticks(x, names)
-    left.set_ylabel(f"KiB per token ({sizes[0]}-token prompt)")
+    left.set_ylabel(f"KiB per token ({sizes[-1]}-token prompt)")
     left.legend()
     groups = [f"{n}\n{t}" for n in names for t in sizes]
     g = np.arange(len(groups))
