@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvring.common.chunk import ChunkBlocks
+
+from .vllm_types import KVConnectorMetadata
 
 
 @dataclass

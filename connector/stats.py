@@ -17,11 +17,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-
 from kvring.cachenode.client import Transfer
 
 from .admission import Refusal
+from .vllm_types import KVConnectorPromMetrics, KVConnectorStats
 
 # name -> help text; every counter is exported as vllm:kvring_<name>_total.
 COUNTERS: dict[str, str] = {

@@ -58,3 +58,59 @@ def test_a_frame_too_short_is_refused_and_nothing_is_written(device):
     with pytest.raises(ValueError, match="chunk holds 10 tokens, the load needs 16"):
         _copies(device).load(kv, slot_runs(np.arange(16, 32), BS), frame, 0)
     assert not kv.any()
+
+
+# The physical layouts vLLM 0.32 lays each layer's [B, H, N, C] view out in (``vllm/v1/kv_cache_layout.py``:
+# stride orders of the logical [L, B, H, N, C], L the layers sharing one allocation).  Its CUDA backends:
+# FlashAttention, Triton and the MLA backends take any and prefer LBNHC (NHD), FlashInfer on Blackwell takes
+# LBHNC or BLHNC (HND); VLLM_KV_CACHE_LAYOUT picks any of them.
+LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+# (KV heads, C): a GQA layer's K|V per head, and an MLA latent (one "head" of 576: vLLM's MLA backends'
+# [blocks, block size, 576] cache, which connectors get as [blocks, 1, block size, 576]).
+SHAPES = {"gqa": (4, 2 * 8), "mla": (1, 576)}
+
+
+def vllm_views(raw: torch.Tensor, layers: int, blocks: int, heads: int, bs: int, ch: int,
+               layout: str) -> list[torch.Tensor]:
+    """Per-layer ``[blocks, heads, bs, ch]`` views of the flat ``raw``, strided as vLLM's
+    ``create_kv_cache_views`` lays them out for ``layout`` (without page padding)."""
+    shape = (layers, blocks, heads, bs, ch)
+    strides, step = [0] * 5, 1
+    for dim in reversed(LAYOUTS[layout]):
+        strides[dim], step = step, step * shape[dim]
+    assert raw.numel() == step
+    full = raw.as_strided(shape, strides)
+    return [full[i] for i in range(layers)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_vllm_layouts_load_and_gather_per_head_without_touching_other_bytes(device, shape, layout):
+    """The worker copies through a view of one head (``kv[:, j:j + 1]``) of one layer: on every
+    layout vLLM allocates, exactly that head's slots change, in every layer sharing the allocation."""
+    heads, ch = SHAPES[shape]
+    layers, head, layer = 2, heads - 1, 1
+    rng = np.random.default_rng(len(layout) * 7 + heads)
+    slots = (rng.permutation(BLOCKS)[:3][:, None] * BS + np.arange(BS)).reshape(-1)[5:45]
+    raw = torch.randn(layers * BLOCKS * heads * BS * ch).to(torch.bfloat16)
+    frame_rows = torch.randn(len(slots), 1, ch).to(torch.bfloat16)
+    frame = memoryview(frame_rows.view(torch.uint8).numpy().tobytes())
+    expected = raw.clone()
+    want = vllm_views(expected, layers, BLOCKS, heads, BS, ch, layout)[layer]
+    for i, s in enumerate(slots):
+        want[s // BS, head, s % BS] = frame_rows[i, 0]
+
+    copies = _copies(device)
+    dev_raw = raw.to(device)
+    kv = vllm_views(dev_raw, layers, BLOCKS, heads, BS, ch, layout)[layer]
+    copies.load(kv[:, head:head + 1], slot_runs(slots, BS), frame, 0)
+    copies.layer_loaded(layer)
+    copies.before_layer(layer)
+    assert torch.equal(_bits(dev_raw), _bits(expected))
+
+    bufs = [copies.new_save_buffer((layers, n, 1, ch), torch.bfloat16) for n in (16, len(slots) - 16)]
+    copies.gather_into(kv[:, head:head + 1], buffer_runs(slots, BS, [16, len(slots) - 16]), bufs, layer)
+    copies.wait_saved(copies.saved())
+    assert torch.equal(_bits(torch.cat([b[layer] for b in bufs])), _bits(frame_rows))

@@ -3,11 +3,17 @@ and loads its own heads and layers, and what instances of one TP size stored loa
 instances of another.  The workers run in this process, each with the slice of a model's KV
 cache its rank would hold (``[blocks, its KV heads, block size, C]``, its stage's layers); the
 same with vLLM's real engines in processes of their own is in test_vllm_parallel.py.
+
+Where a GPU is present the same runs on CUDA caches (pinned staging, a side stream, per-layer
+events), and deployment shapes run on both: each rank's cache as one of vLLM's physical layouts
+lays it out (``test_copies.vllm_views``), and an MLA latent (``[blocks, 1, block size, 576]``)
+replicated on every rank.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -20,9 +26,12 @@ from kvring.connector.keys import KVLayout
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
 from kvring.connector.parts import ChunkParts, RankShard
 from kvring.connector.worker import WorkerSide
+from test_copies import vllm_views
 
 CHUNK, BLOCK, CH, BLOCKS = 32, 16, 8, 48
 SRC_BLOCKS, DST_BLOCKS = list(range(4, 12)), list(range(20, 28))  # 4 chunks x 2 blocks
+# The CUDA path (pinned staging, side stream, events) runs only where a GPU is present.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 def _slots(block_ids: list[int], n: int) -> np.ndarray:
@@ -30,17 +39,26 @@ def _slots(block_ids: list[int], n: int) -> np.ndarray:
     return np.asarray(block_ids)[t // BLOCK] * BLOCK + t % BLOCK
 
 
-def _model(heads: int, layers: int, seed: int) -> list[torch.Tensor]:
+def _model(heads: int, layers: int, seed: int, ch: int = CH) -> list[torch.Tensor]:
     """A whole model's KV cache: one [blocks, heads, block, C] tensor per layer."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(BLOCKS, heads, BLOCK, CH, generator=g).to(torch.bfloat16) for _ in range(layers)]
+    return [torch.randn(BLOCKS, heads, BLOCK, ch, generator=g).to(torch.bfloat16) for _ in range(layers)]
 
 
-def _rank_caches(model: list[torch.Tensor], shard: RankShard) -> dict[str, torch.Tensor]:
-    """What the rank of ``shard`` holds of ``model``: its heads (in its order), its stage's layers."""
+def _rank_caches(model: list[torch.Tensor], shard: RankShard, device: str = "cpu",
+                 layout: str | None = None) -> dict[str, torch.Tensor]:
+    """What the rank of ``shard`` holds of ``model``: its heads (in its order), its stage's layers;
+    on ``device``, contiguous or (``layout``) in views of one allocation as vLLM lays it out."""
     idx = torch.tensor(shard.heads)
-    return {f"layers.{i}.attn": model[i].index_select(1, idx).contiguous()
-            for i in range(shard.first_layer, shard.end_layer)}
+    mine = [model[i].index_select(1, idx) for i in range(shard.first_layer, shard.end_layer)]
+    if layout is None:
+        caches = [m.contiguous().to(device) for m in mine]
+    else:
+        raw = torch.empty(sum(m.numel() for m in mine), dtype=torch.bfloat16, device=device)
+        caches = vllm_views(raw, len(mine), BLOCKS, len(shard.heads), BLOCK, mine[0].shape[-1], layout)
+        for cache, m in zip(caches, mine):
+            cache.copy_(m)
+    return {f"layers.{shard.first_layer + i}.attn": cache for i, cache in enumerate(caches)}
 
 
 def _shards(heads: int, tp: int, stages: tuple[tuple[int, int], ...]) -> list[RankShard]:
@@ -51,7 +69,8 @@ class Instance:
     """The workers of one vLLM instance (all its TP ranks of all its PP stages), over one model."""
 
     def __init__(self, cluster, model: list[torch.Tensor], heads: int, tp: int = 1,
-                 stages: tuple[tuple[int, int], ...] | None = None, mode: str = "layerwise") -> None:
+                 stages: tuple[tuple[int, int], ...] | None = None, mode: str = "layerwise",
+                 device: str = "cpu", layout: str | None = None) -> None:
         stages = stages or ((0, len(model)),)
         self.mode = mode
         self.client = ClusterClient(cluster.etcd, cluster=cluster.cluster)
@@ -59,7 +78,7 @@ class Instance:
         self.workers = []
         for shard in _shards(heads, tp, stages):
             w = WorkerSide(config, self.client, CHUNK, BLOCK, shard)
-            w.register_kv_caches(_rank_caches(model, shard))
+            w.register_kv_caches(_rank_caches(model, shard, device, layout))
             self.workers.append(w)
 
     def save(self, keys: list[bytes], ranks: list[int] | None = None) -> None:
@@ -98,10 +117,11 @@ class Instance:
         layers: dict[int, torch.Tensor] = {}
         for w in self.workers:
             for i, name in enumerate(w.layer_names):
+                cache = w.kv_caches[name].cpu()
                 full = layers.setdefault(w.shard.first_layer + i,
-                                         torch.zeros(BLOCKS, heads, BLOCK, CH, dtype=torch.bfloat16))
+                                         torch.zeros(BLOCKS, heads, BLOCK, cache.shape[-1], dtype=torch.bfloat16))
                 for j, h in enumerate(w.shard.heads):
-                    full[:, h] = w.kv_caches[name][:, j]
+                    full[:, h] = cache[:, j]
         return [layers[i] for i in sorted(layers)]
 
     def close(self) -> None:
@@ -127,13 +147,14 @@ def cluster(etcd_server):
         yield c
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("saver_tp, loader_tp", [(2, 1), (1, 2), (2, 2), (4, 2), (1, 4)])
-def test_what_one_tp_size_stores_every_tp_size_loads(cluster, saver_tp, loader_tp):
+def test_what_one_tp_size_stores_every_tp_size_loads(cluster, saver_tp, loader_tp, device):
     heads, layers = 4, 3
     model = _model(heads, layers, seed=saver_tp * 10 + loader_tp)
-    keys = [bytes([saver_tp, loader_tp, i]) * 5 + b"k" for i in range(4)]
-    saver = Instance(cluster, model, heads, saver_tp)
-    loader = Instance(cluster, _model(heads, layers, seed=99), heads, loader_tp)
+    keys = [bytes([saver_tp, loader_tp, i, len(device)]) * 4 for i in range(4)]
+    saver = Instance(cluster, model, heads, saver_tp, device=device)
+    loader = Instance(cluster, _model(heads, layers, seed=99), heads, loader_tp, device=device)
     try:
         saver.save(keys)
         # Every head of every chunk stored once, whatever the TP size: 4 parts of [3, 32, 1, 8] each.
@@ -145,16 +166,43 @@ def test_what_one_tp_size_stores_every_tp_size_loads(cluster, saver_tp, loader_t
         loader.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["bulk", "async"])
-def test_every_load_mode_loads_another_tp_sizes_parts(cluster, mode):
+def test_every_load_mode_loads_another_tp_sizes_parts(cluster, mode, device):
     """TP 2 stores; TP 1 and TP 4 load in bulk (before the forward) and async (between steps)."""
     heads, layers = 4, 2
     model = _model(heads, layers, seed=31)
-    keys = [bytes([31, len(mode), i]) * 5 + b"m" for i in range(4)]
-    saver = Instance(cluster, model, heads, tp=2)
-    loaders = [Instance(cluster, _model(heads, layers, seed=32 + tp), heads, tp=tp, mode=mode) for tp in (1, 4)]
+    keys = [bytes([31, len(mode), i, len(device)]) * 4 for i in range(4)]
+    saver = Instance(cluster, model, heads, tp=2, device=device)
+    loaders = [Instance(cluster, _model(heads, layers, seed=32 + tp), heads, tp=tp, mode=mode, device=device)
+               for tp in (1, 4)]
     try:
         saver.save(keys)
+        for loader in loaders:
+            assert loader.load(keys) == set()
+            _loaded_right(model, loader.view(), 4)
+    finally:
+        for inst in (saver, *loaders):
+            inst.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads, ch, layout", [(4, CH, "LBNHC"), (4, CH, "LBHNC"), (4, CH, "BLHNC"), (4, CH, "BLNHC"),
+                                              (1, 576, "LBNHC"), (1, 576, "BLHNC")],
+                         ids=["gqa-LBNHC", "gqa-LBHNC", "gqa-BLHNC", "gqa-BLNHC", "mla-LBNHC", "mla-BLHNC"])
+def test_deployment_caches_as_vllm_lays_them_out(cluster, device, heads, ch, layout):
+    """Each TP 2 rank's cache as vLLM allocates it: its own head slice of every layer (GQA) or the
+    whole MLA latent on both ranks (one 576-wide "head", rank 0 stores it), all layers' views over
+    one allocation in ``layout``.  TP 2 saves; TP 1 and TP 2 load every head of every layer right."""
+    layers = 3
+    model = _model(heads, layers, seed=zlib.crc32(f"{heads}{layout}".encode()), ch=ch)
+    keys = [f"{layout}-{heads}-{device}-{i}".encode().ljust(16, b".") for i in range(4)]
+    saver = Instance(cluster, model, heads, tp=2, device=device, layout=layout)
+    loaders = [Instance(cluster, _model(heads, layers, seed=7, ch=ch), heads, tp=tp, device=device, layout=layout)
+               for tp in (1, 2)]
+    try:
+        saver.save(keys)
+        assert sum(w.parts_saved for w in saver.workers) == 4 * heads
         for loader in loaders:
             assert loader.load(keys) == set()
             _loaded_right(model, loader.view(), 4)
