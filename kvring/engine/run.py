@@ -499,14 +499,16 @@ def run(spec: dict) -> dict:
 
         with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
             layout = _layout(llm.llm_engine.vllm_config, c.contract.chunk_size)
-        parts = [dataclasses.astuple(p) for p in chunk_parts(llm.llm_engine.vllm_config, layout).parts]
+        # (head, first layer, end layer[, window]): ChunkPart(*coords); the window of a hybrid layout only
+        parts = [dataclasses.astuple(p)[:3 if p.window is None else 4]
+                 for p in chunk_parts(llm.llm_engine.vllm_config, layout).parts]
         # Keys of plain token prompts only: how the connector keys a prompt under an adapter or
         # given as embeddings is the connector's business, so those items get None.
         keys = [[k.hex() for k in request_keys(layout, item["tokens"], KeyScope(cache_salt=item.get("salt") or ""))]
                 if "tokens" in item and not item.get("lora") else None for item in _prompt_items(spec["prompts"])]
         layout_fields = dataclasses.asdict(layout)
-    # keys: each prompt's chunk keys; parts: (head, first layer, end layer) of each part a chunk
-    # is stored as (``kvring.connector.parts``).
+    # keys: each prompt's chunk keys; parts: the coordinates of each part a chunk is stored as
+    # (``kvring.connector.parts``).
     return {"results": results, "keys": keys, "layout": layout_fields, "parts": parts, "steps": steps}
 
 

@@ -15,7 +15,6 @@ import torch
 from kvring.cachenode.client import ClusterClient
 from kvring.common.errors import ContractMismatch
 from kvring.connector.config import ConnectorConfig
-from kvring.connector.connector import connect
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
 from kvring.connector.parts import ChunkPart
 from kvring.connector.worker import WorkerSide
@@ -126,6 +125,8 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
 
 
 def test_connector_refuses_a_cluster_with_another_chunk_size(cluster_factory):
+    from kvring.connector.connector import connect  # the connector's facade imports vLLM
+
     cluster = cluster_factory(nodes=1, memory=16 << 20)
     with pytest.raises(ContractMismatch, match="chunk_size: this connector has 512, the cluster has 256"):
         connect(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, chunk_size=512))
