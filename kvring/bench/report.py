@@ -54,10 +54,11 @@ def machine() -> str:
 
     model = "unknown CPU"
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = " ".join(line.split(":", 1)[1].split())
-                break
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = " ".join(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
     try:
