@@ -36,7 +36,8 @@ COMMANDS = dict(_commands(typer.main.get_command(app)))
 def test_the_commands_are_all_there():
     assert {" ".join(p) for p in COMMANDS} == {
         "", "node", "up", "demo", "ring", "trace", "drain", "operator", "admin", "bench", "bench data-plane",
-        "bench e2e", "bench miss", "bench slow-node", "bench membership", "bench repair", "bench tls"}
+        "bench e2e", "bench miss", "bench slow-node", "bench membership", "bench repair", "bench tls",
+        "bench shapes", "bench gpu"}
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "kvring")

@@ -501,6 +501,30 @@ def bench_shapes(
         raise typer.Exit(1)
 
 
+@bench_app.command("gpu")
+def bench_gpu(
+    chunks: Annotated[int, typer.Option(help="Chunks of 256 tokens a step loads and saves.", min=1)] = 16,
+    tokens: Annotated[int, typer.Option(help="New tokens of the stand-in forward (an 8B layer's projections and "
+                                             "attention per layer).", min=1)] = 4096,
+    layout: Annotated[str, typer.Option(help="vLLM's physical KV cache layout: LBNHC (NHD, FlashAttention's), "
+                                             "LBHNC (HND), LHBNC, BLHNC, BLNHC or BHLNC.")] = "LBNHC",
+    repetitions: Annotated[int, typer.Option(help="Interleaved repetitions after a warm-up.", min=1)] = 7,
+    budget: Annotated[float, typer.Option(help="Start no repetition after this many seconds, once two are in "
+                                               "(0: no limit).", min=0)] = 0.0,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """On a CUDA device: the connector's layerwise loads (host to device) and saves (device to host) with a
+    Llama-3.1-8B-shaped cache against plain pinned copies, and a stand-in forward with and without a load."""
+    from kvring.bench.gpu import LAYOUTS, GpuSettings, run_bench_gpu
+
+    if layout not in LAYOUTS:
+        raise typer.BadParameter(f"{layout!r} is not one of vLLM's layouts: {', '.join(LAYOUTS)}",
+                                 param_hint="--layout")
+    run_bench_gpu(GpuSettings(chunks=chunks, tokens=tokens, layout=layout, repetitions=repetitions, budget_s=budget),
+                  json_out=json_out, plot=plot)
+
+
 @bench_app.command("miss")
 def bench_miss(
     prompts: Annotated[int, typer.Option(help="Prompts per batch (one generate call).", min=1)] = 32,
