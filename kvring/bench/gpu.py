@@ -14,13 +14,15 @@ starts after S seconds, once two are in):
 
 - load: the chunks' parts (one per KV head, layer-major ``[layers, tokens, 1, K|V]``) already in
   plain host memory, as the cluster client hands them over from the socket, scattered layer by
-  layer into the paged blocks by ``CudaCopies.load`` (the worker's copy: pinned staging, a side
-  stream); the same through ``WorkerSide`` (a layerwise load on its own thread, from a stand-in
-  client that serves the parts from host memory instead of the network); next to one pinned
-  ``copy_(non_blocking=True)`` per layer of the same bytes into a contiguous device buffer, and one
-  from pageable memory;
+  layer into the paged blocks by ``CudaCopies.load`` and ``layer_loaded`` (the worker's copy:
+  frames staged into reused pinned buffers, per layer one host-to-device copy and one scatter
+  kernel on a side stream); the same through ``WorkerSide`` (a layerwise load on its own thread,
+  from a stand-in client that serves the parts from host memory instead of the network); next to
+  one pinned ``copy_(non_blocking=True)`` per layer of the same bytes into a contiguous device
+  buffer, and one from pageable memory;
 - save: the same tokens gathered out of the blocks by ``CudaCopies.gather_into`` into save buffers
-  allocated as ``save_kv_layer`` allocates them (pinned, one per chunk and head), until they landed;
+  allocated as ``save_kv_layer`` allocates them (``new_save_buffer``: one per chunk and head, carved
+  out of pinned slabs), per layer and head one gather kernel and one pitched copy, until they landed;
   next to one pinned device-to-host ``copy_`` per layer;
 - overlap: a stand-in forward of the layers on ``tokens`` new tokens (per layer an 8B layer's QKV,
   output, gate/up and down projections and causal GQA attention), alone and with the layerwise

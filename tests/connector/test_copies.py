@@ -1,6 +1,7 @@
 """Loads into and gathers out of a paged KV cache, against a per-token reference: runs of slots
 in one block, unaligned ranges, an offset into the chunk frame, a frame too short, and (where a
-GPU is present) the CUDA path with pinned staging and a side stream."""
+GPU is present) the CUDA path with pinned staging and a side stream.  "batched" is the CUDA path's
+batching (staging, one index per flush, one gather per save) on the CPU: ``BatchedCopies``."""
 
 from __future__ import annotations
 
@@ -8,14 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from kvring.connector.copies import CudaCopies, HostCopies, buffer_runs, slot_runs
+from kvring.connector.copies import (BatchedCopies, CudaCopies, HostCopies, buffer_runs,
+                                     slot_runs)
 
 BS, H, C, BLOCKS = 16, 2, 8, 40
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = ["cpu", "batched", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 def _copies(device: str) -> HostCopies:
-    return HostCopies(BS) if device == "cpu" else CudaCopies(BS, torch.device(device))
+    if device == "cpu":
+        return HostCopies(BS)
+    if device == "batched":
+        return BatchedCopies(BS, torch.device("cpu"))
+    return CudaCopies(BS, torch.device(device))
+
+
+def _device(device: str) -> str:
+    return "cpu" if device == "batched" else device
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -36,7 +46,7 @@ def test_load_and_gather_match_a_per_token_reference(device, lo, hi, row0):
         expected[s // BS, :, s % BS] = frame_rows[row0 + i]
 
     copies = _copies(device)
-    dev_kv = kv.to(device)
+    dev_kv = kv.to(_device(device))
     copies.load(dev_kv, slot_runs(slots, BS), frame, row0)
     copies.layer_loaded(0)
     copies.before_layer(0)
@@ -53,7 +63,7 @@ def test_load_and_gather_match_a_per_token_reference(device, lo, hi, row0):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_frame_too_short_is_refused_and_nothing_is_written(device):
-    kv = torch.zeros(BLOCKS, H, BS, C, dtype=torch.bfloat16, device=device)
+    kv = torch.zeros(BLOCKS, H, BS, C, dtype=torch.bfloat16, device=_device(device))
     frame = memoryview(torch.ones(10, H, C, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
     with pytest.raises(ValueError, match="chunk holds 10 tokens, the load needs 16"):
         _copies(device).load(kv, slot_runs(np.arange(16, 32), BS), frame, 0)
@@ -103,7 +113,7 @@ def test_vllm_layouts_load_and_gather_per_head_without_touching_other_bytes(devi
         want[s // BS, head, s % BS] = frame_rows[i, 0]
 
     copies = _copies(device)
-    dev_raw = raw.to(device)
+    dev_raw = raw.to(_device(device))
     kv = vllm_views(dev_raw, layers, BLOCKS, heads, BS, ch, layout)[layer]
     copies.load(kv[:, head:head + 1], slot_runs(slots, BS), frame, 0)
     copies.layer_loaded(layer)
