@@ -98,6 +98,9 @@ class HostCopies:
         for i, r, block, off, n in runs:
             dsts[i][r:r + n] = src[block, :, off:off + n].transpose(1, 0, 2)
 
+    def discard(self) -> None:
+        """Drop the copies this thread staged and has not sent (an abandoned load's)."""
+
     def reset(self) -> None:
         """A new step's load starts."""
 

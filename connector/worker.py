@@ -141,7 +141,10 @@ class _LoadJob:
                 if self.uniform and got[layer].all():
                     if layer == 0:
                         self.first_layer_s = time.perf_counter() - self.started
-                    w.copies.layer_loaded(layer)
+                    with self._lock:  # copies may be sent only here: never after an abandon
+                        if self.abandoned:
+                            break
+                        w.copies.layer_loaded(layer)
                     self.layer_done[layer].set()
         except Exception:
             logger.exception("kvring load failed; the affected blocks will be recomputed")
@@ -152,6 +155,8 @@ class _LoadJob:
                     if error or meta is None or not got[:, i].all():
                         reason = "error" if error else "unusable" if i in unusable else "missing"
                         w.counters.failed(reason, self._fail(i))
+            else:  # nothing it staged may land after the abandon (batched copies send at flushes)
+                w.copies.discard()
             w.copies.layer_loaded(-1)
             self.seconds = time.perf_counter() - self.started
             for event in self.layer_done:

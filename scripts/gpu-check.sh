@@ -79,7 +79,8 @@ echo "== CUDA tests"
 # Only pytest-timeout of the machine's pytest plugins (pyproject.toml sets its per-test limit).
 timeout -k 10 180 env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -P -m pytest -q -p no:cacheprovider -p pytest_timeout \
     -rs --durations=10 --continue-on-collection-errors -k cuda \
-    tests/connector/test_copies.py tests/connector/test_worker_loads.py tests/connector/test_worker_shards.py \
+    tests/connector/test_copies.py tests/connector/test_copies_batched.py tests/connector/test_worker_loads.py \
+    tests/connector/test_worker_shards.py \
     tests/test_bench_gpu.py 2>&1 | tee "$OUT/tests.log"
 tests=${PIPESTATUS[0]}
 if grep -q "needs CUDA" "$OUT/tests.log"; then
