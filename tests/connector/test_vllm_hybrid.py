@@ -43,28 +43,30 @@ def _spec(model: str, conn: dict, prompts: list, **more) -> dict:
 
 def test_a_sliding_window_model_loads_only_its_window_and_equals_a_recompute(etcd_server, sliding_llama, tmp_path):
     rng = np.random.default_rng(3)
-    whole = rng.integers(10, 2000, size=1100).tolist()  # 4 whole chunks, prefilled in one step
-    chunked = rng.integers(10, 2000, size=700).tolist()  # prefilled in steps of 450 tokens
+    # A prefills in steps of 450 tokens: for each prompt, chunk 1 ([256, 512)) is completed by the
+    # step from token 450, when vLLM has freed the windows' blocks before token 320.
+    whole = rng.integers(10, 2000, size=1100).tolist()  # 4 whole chunks
+    chunked = rng.integers(10, 2000, size=700).tolist()  # 2 whole chunks
     with LocalCluster(nodes=2, memory=128 << 20, etcd=etcd_server.endpoint, cluster="e2e-hybrid") as cluster:
         conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
                 "lookup_deadline_ms": 10_000}
-        a = run_instance(tmp_path, "A", _spec(sliding_llama, conn, [{"tokens": whole}]))
-        run_instance(tmp_path, "A2", _spec(sliding_llama, conn, [{"tokens": chunked}], max_num_batched_tokens=450))
+        a = run_instance(tmp_path, "A", _spec(sliding_llama, conn, [{"tokens": whole}, {"tokens": chunked}],
+                                              max_num_batched_tokens=450))
         b = run_instance(tmp_path, "B", _spec(sliding_llama, conn, [
             {"tokens": whole, "salt": "b"}, {"tokens": whole}, {"tokens": chunked, "salt": "b"}, {"tokens": chunked}]))
     assert a["layout"]["windows"] == [WINDOW, WINDOW, WINDOW, 0]
     ref, loaded, chunked_ref, chunked_loaded = b["results"]
     assert ref["cached"] == 0 and loaded["cached"] == 4 * CHUNK
-    assert loaded["tokens"] == ref["tokens"] == a["results"][0]["tokens"]
+    assert loaded["tokens"] == ref["tokens"]
     # What the load fetched: the full-attention layer of all 4 chunks, the 3 sliding layers only
     # of the chunk holding the window before token 1024 (vLLM allocates no blocks before it).
     first = window_start(4 * CHUNK, WINDOW, BLOCK)
     assert first // CHUNK == 3
     fetched = b["steps"][1]["counters"]["loaded_bytes"] - b["steps"][0]["counters"]["loaded_bytes"]
     assert fetched == (4 * 1 + 1 * 3) * CHUNK * 2 * BYTES
-    # A2 computed chunk 1 ([256, 512)) in its second step, from token 450, when vLLM had freed the
-    # window's blocks before token 320: that chunk's sliding part was not saved (its first tokens
-    # were gone), so a load may end at chunk 1 only, whose window chunk 0 holds.
+    # Chunk 1's sliding part was not saved (its first tokens were gone when it was completed): a
+    # load of 4 chunks never needs it (its window is in chunk 3), but one of 2 chunks does, so
+    # the 700-token prompt loads 1 chunk, whose window chunk 0 holds.
     assert window_start(450, WINDOW, BLOCK) > CHUNK
     assert chunked_ref["cached"] == 0 and chunked_loaded["cached"] == CHUNK
     assert chunked_loaded["tokens"] == chunked_ref["tokens"]
