@@ -15,7 +15,8 @@
 # (default out/gpu-check): tests.log, bench.log, gpu.json and gpu.png.  Every step has a time
 # limit; about 3 minutes on an H100 are expected, 9 at most.
 #
-# WHL and PYTHON name another wheel folder and interpreter (a rehearsal on another machine).
+# WHL and PYTHON name another wheel folder and interpreter (a rehearsal on another machine);
+# PROFILE=1 also runs the bench under cProfile (profile.txt: where its host time goes).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
@@ -92,6 +93,17 @@ echo "== kvring bench gpu"
 timeout -k 10 150 "$PY" -P -m kvring.bench.gpu --budget 90 --json-out "$OUT/gpu.json" --plot "$OUT/gpu.png" 2>&1 \
     | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
+
+if [ -n "${PROFILE:-}" ]; then  # where the copy path's host time goes: the functions that spend the most
+  echo "== kvring bench gpu under cProfile"
+  timeout -k 10 150 "$PY" -P -c '
+import cProfile, pstats, sys
+from kvring.bench.gpu import main
+sys.argv = ["kvring.bench.gpu", "--repetitions", "2"]
+cProfile.run("main()", sys.argv[0] + ".prof")
+pstats.Stats(sys.argv[0] + ".prof").sort_stats("tottime").print_stats(30)
+' > "$OUT/profile.txt" 2>&1 || echo "gpu-check: the profiled run failed (see profile.txt)"
+fi
 
 echo "== gpu-check: tests exit $tests, bench exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
