@@ -10,15 +10,13 @@ after the resume loads its chunks, and its output equals the one computed.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from kvring.cachenode.client import ClusterClient
-from kvring.connector.keys import request_keys
 from kvring.engine.run import decision_between, layout_of, start_instance, write_tiny_llama
 from kvring.local.cluster import LocalCluster
+from placement import prompts_on, wait_saved
 
 CHUNK = 256
 TOKENS = 8 * CHUNK + 1  # 8 whole chunks: 2048 tokens to load
@@ -30,13 +28,6 @@ def model(tmp_path_factory):
     return str(write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
 
 
-def _wait_saved(client: ClusterClient, layout, prompts: list[list[int]], timeout: float = 120.0) -> None:
-    keys = [k for p in prompts for k in layout.parts().keys(request_keys(layout, p))]
-    deadline = time.monotonic() + timeout
-    while not all(client.lookup(keys)):
-        assert time.monotonic() < deadline, "the prompts' chunks were not all saved"
-        time.sleep(0.2)
-
 
 def test_a_node_stalled_mid_load_is_trusted_again_once_it_resumes(etcd_server, model, tmp_path):
     rng = np.random.default_rng(19)
@@ -47,13 +38,7 @@ def test_a_node_stalled_mid_load_is_trusted_again_once_it_resumes(etcd_server, m
             assert client.wait_for_nodes(3)
             layout = layout_of({"model": model}, client.contract.chunk_size)
             assert layout.chunk_size == CHUNK
-            # Every prompt has parts on the node that will stall (the keys' namespace names the
-            # model's directory, so placement differs from run to run).
-            prompts = []
-            while len(prompts) < 6:
-                p = rng.integers(10, 2000, size=TOKENS).tolist()
-                if victim.node_id in client.ring.primaries(layout.parts().keys(request_keys(layout, p))):
-                    prompts.append(p)
+            prompts = prompts_on(client, layout, victim.node_id, rng, 6, size=TOKENS)  # each with parts on the victim
             # Admission, layerwise loads and the 5 s timeout that ends the stalled load: the defaults.
             conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "lookup_deadline_ms": 1000.0}
             steps = [{"tokens": rng.integers(10, 2000, size=300).tolist()},  # 0: warm-up
@@ -69,7 +54,7 @@ def test_a_node_stalled_mid_load_is_trusted_again_once_it_resumes(etcd_server, m
                                                            "max_tokens": 4}, tmpdir=tmp_path / "vllm-tmp")
             try:
                 instance.wait_file(tmp_path / "computed", 600)
-                _wait_saved(client, layout, prompts)
+                wait_saved(client, layout, prompts)
                 (tmp_path / "saved").touch()
                 out = instance.result(timeout=900)
             finally:

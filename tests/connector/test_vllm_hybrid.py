@@ -12,17 +12,15 @@ equals a recompute's.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from kvring.cachenode.client import ClusterClient
-from kvring.connector.keys import request_keys
 from kvring.connector.parts import window_start
 from kvring.engine.run import (decision_between, layout_of, run_instance, start_instance, write_tiny_gemma3,
                                write_tiny_sliding_llama)
 from kvring.local.cluster import LocalCluster
+from placement import prompts_on, wait_saved
 
 CHUNK = 256
 WINDOW = 128  # smaller than a chunk (gpt-oss's window): a window's part can leave before its chunk is whole
@@ -87,13 +85,6 @@ def test_a_gemma3_like_model_loads_what_another_instance_stored(etcd_server, tmp
     assert loaded["tokens"] == ref["tokens"] == a["results"][0]["tokens"]
 
 
-def _wait_saved(client: ClusterClient, layout, prompts: list[list[int]], timeout: float = 120.0) -> None:
-    keys = [k for p in prompts for k in layout.parts().keys(request_keys(layout, p))]
-    deadline = time.monotonic() + timeout
-    while not all(client.lookup(keys)):
-        assert time.monotonic() < deadline, "the prompts' chunks were not all saved"
-        time.sleep(0.2)
-
 
 def test_a_node_stopped_or_killed_during_a_hybrid_load_ends_in_a_recompute(etcd_server, sliding_llama, tmp_path):
     rng = np.random.default_rng(11)
@@ -104,13 +95,7 @@ def test_a_node_stopped_or_killed_during_a_hybrid_load_ends_in_a_recompute(etcd_
             assert client.wait_for_nodes(3)
             layout = layout_of(_spec(sliding_llama, None, []), client.contract.chunk_size)
             assert layout.chunk_size == CHUNK and layout.windows == (WINDOW, WINDOW, WINDOW, 0)
-            # Every prompt has parts on the victim (the keys' namespace names the model's directory,
-            # so placement differs from run to run).
-            prompts = []
-            while len(prompts) < 3:
-                p = rng.integers(10, 2000, size=1100).tolist()
-                if victim.node_id in client.ring.primaries(layout.parts().keys(request_keys(layout, p))):
-                    prompts.append(p)
+            prompts = prompts_on(client, layout, victim.node_id, rng, 3, size=1100)  # each with parts on the victim
             conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
                     "lookup_deadline_ms": 5000.0, "timeout": 3.0}
             poison = f"{victim.admin_addr}/debug/signal-on-get?signal="
@@ -127,7 +112,7 @@ def test_a_node_stopped_or_killed_during_a_hybrid_load_ends_in_a_recompute(etcd_
                                       tmpdir=tmp_path / "vllm-tmp")
             try:
                 instance.wait_file(tmp_path / "computed", 600)
-                _wait_saved(client, layout, prompts)
+                wait_saved(client, layout, prompts)
                 (tmp_path / "saved").touch()
                 out = instance.result(timeout=600)
             finally:
