@@ -435,6 +435,19 @@ def bench_data_plane(
         raise CommandFailed(f"bench data-plane stopped: {exc}") from None
 
 
+def _prompt_sizes(tokens: str, example: str) -> list[int]:
+    """``--tokens``: comma-separated prompt lengths, each with a whole chunk and more."""
+    try:
+        sizes = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{tokens!r} is not a comma-separated list of token counts, e.g. {example}",
+                                 param_hint="--tokens") from None
+    if any(n < 300 for n in sizes):
+        raise typer.BadParameter("each prompt needs at least 300 tokens (one whole chunk and more)",
+                                 param_hint="--tokens")
+    return sizes
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     tokens: Annotated[str, typer.Option(help="Prompt lengths, comma-separated.")] = "1024,4096,8192",
@@ -453,14 +466,7 @@ def bench_e2e(
     from kvring.bench.e2e import run_bench_e2e
     from kvring.bench.e2e_tp import KV_HEADS, run_bench_e2e_tp
 
-    try:
-        sizes = [int(t) for t in tokens.split(",")]
-    except ValueError:
-        raise typer.BadParameter(f"{tokens!r} is not a comma-separated list of token counts, e.g. 1024,4096",
-                                 param_hint="--tokens") from None
-    if any(n < 300 for n in sizes):
-        raise typer.BadParameter("each prompt needs at least 300 tokens (one whole chunk and more)",
-                                 param_hint="--tokens")
+    sizes = _prompt_sizes(tokens, example="1024,4096")
     if tp > 1:
         if KV_HEADS % tp:
             raise typer.BadParameter(f"the bench's model has {KV_HEADS} KV heads, which {tp} ranks cannot split; "
@@ -487,14 +493,7 @@ def bench_shapes(
     (DeepSeek-V2) and a sliding-window hybrid (Gemma-3-like) of the same size, through one local cluster."""
     from kvring.bench.shapes import run_bench_shapes
 
-    try:
-        sizes = [int(t) for t in tokens.split(",")]
-    except ValueError:
-        raise typer.BadParameter(f"{tokens!r} is not a comma-separated list of token counts, e.g. 2048,4096",
-                                 param_hint="--tokens") from None
-    if any(n < 300 for n in sizes):
-        raise typer.BadParameter("each prompt needs at least 300 tokens (one whole chunk and more)",
-                                 param_hint="--tokens")
+    sizes = _prompt_sizes(tokens, example="2048,4096")
     result = run_bench_shapes(sizes, layers=layers, hidden=hidden, repetitions=repetitions,
                               memory=_size(memory, "--memory"), json_out=json_out, plot=plot)
     if not all(r["identical"] for s in result["shapes"].values() for r in s["rows"]):
