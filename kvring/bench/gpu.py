@@ -57,12 +57,9 @@ from kvring.connector.config import ConnectorConfig
 from kvring.connector.copies import buffer_runs, copies_for, slot_runs
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta
 from kvring.connector.parts import ChunkPart
+from kvring.connector.cache_layouts import LAYOUTS, vllm_views
 from kvring.connector.worker import WorkerSide
 
-# vLLM 0.32's physical layouts (``vllm/v1/kv_cache_layout.py``): stride orders of the logical
-# [L, B, H, N, C], L being the layers that share one allocation.
-LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
 CASES = ("load CudaCopies.load", "load WorkerSide layerwise", "load pinned copy_", "load pageable copy_",
          "save CudaCopies.gather_into", "save pinned copy_", "forward alone", "forward + layerwise load")
 TARGETS = {"load": 0.8, "save": 0.8, "forward": 1.10}
@@ -116,17 +113,6 @@ class GpuSettings:
         """Bytes a step loads (and saves): every layer and head of every chunk's tokens."""
         return self.layers * self.chunks * self.chunk * self.kv_heads * self.channels * 2
 
-
-def vllm_views(raw: torch.Tensor, layers: int, blocks: int, heads: int, bs: int, ch: int,
-               layout: str) -> list[torch.Tensor]:
-    """Per-layer ``[blocks, heads, bs, ch]`` views of the flat ``raw``, strided as vLLM's
-    ``create_kv_cache_views`` lays them out for ``layout`` (without page padding)."""
-    shape = (layers, blocks, heads, bs, ch)
-    strides, step = [0] * 5, 1
-    for dim in reversed(LAYOUTS[layout]):
-        strides[dim], step = step, step * shape[dim]
-    full = raw.as_strided(shape, strides)
-    return [full[i] for i in range(layers)]
 
 
 class HostParts:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvring.connector.cache_layouts import LAYOUTS, vllm_views
 from kvring.connector.copies import (BatchedCopies, CudaCopies, HostCopies, buffer_runs,
                                      slot_runs)
 
@@ -70,28 +71,9 @@ def test_a_frame_too_short_is_refused_and_nothing_is_written(device):
     assert not kv.any()
 
 
-# The physical layouts vLLM 0.32 lays each layer's [B, H, N, C] view out in (``vllm/v1/kv_cache_layout.py``:
-# stride orders of the logical [L, B, H, N, C], L the layers sharing one allocation).  Its CUDA backends:
-# FlashAttention, Triton and the MLA backends take any and prefer LBNHC (NHD), FlashInfer on Blackwell takes
-# LBHNC or BLHNC (HND); VLLM_KV_CACHE_LAYOUT picks any of them.
-LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
 # (KV heads, C): a GQA layer's K|V per head, and an MLA latent (one "head" of 576: vLLM's MLA backends'
 # [blocks, block size, 576] cache, which connectors get as [blocks, 1, block size, 576]).
 SHAPES = {"gqa": (4, 2 * 8), "mla": (1, 576)}
-
-
-def vllm_views(raw: torch.Tensor, layers: int, blocks: int, heads: int, bs: int, ch: int,
-               layout: str) -> list[torch.Tensor]:
-    """Per-layer ``[blocks, heads, bs, ch]`` views of the flat ``raw``, strided as vLLM's
-    ``create_kv_cache_views`` lays them out for ``layout`` (without page padding)."""
-    shape = (layers, blocks, heads, bs, ch)
-    strides, step = [0] * 5, 1
-    for dim in reversed(LAYOUTS[layout]):
-        strides[dim], step = step, step * shape[dim]
-    assert raw.numel() == step
-    full = raw.as_strided(shape, strides)
-    return [full[i] for i in range(layers)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from kvring.connector import copies as copies_module
+from kvring.connector.cache_layouts import LAYOUTS, vllm_views
 from kvring.connector.copies import BatchedCopies, CudaCopies, _target, buffer_runs, slot_runs
 
 BS, C, BLOCKS, CHUNK = 16, 8, 64, 32
-LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
@@ -25,12 +24,7 @@ def _copies(device: str) -> BatchedCopies:
 
 
 def _views(raw: torch.Tensor, layers: int, heads: int, ch: int, layout: str) -> list[torch.Tensor]:
-    shape = (layers, BLOCKS, heads, BS, ch)
-    strides, step = [0] * 5, 1
-    for dim in reversed(LAYOUTS[layout]):
-        strides[dim], step = step, step * shape[dim]
-    full = raw.as_strided(shape, strides)
-    return [full[i] for i in range(layers)]
+    return vllm_views(raw, layers, BLOCKS, heads, BS, ch, layout)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

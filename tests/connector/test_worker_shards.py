@@ -6,7 +6,7 @@ same with vLLM's real engines in processes of their own is in test_vllm_parallel
 
 Where a GPU is present the same runs on CUDA caches (pinned staging, a side stream, per-layer
 events), and deployment shapes run on both: each rank's cache as one of vLLM's physical layouts
-lays it out (``test_copies.vllm_views``), and an MLA latent (``[blocks, 1, block size, 576]``)
+lays it out (``cache_layouts.vllm_views``), and an MLA latent (``[blocks, 1, block size, 576]``)
 replicated on every rank.
 """
 
@@ -26,7 +26,7 @@ from kvring.connector.keys import KVLayout
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
 from kvring.connector.parts import ChunkParts, RankShard
 from kvring.connector.worker import WorkerSide
-from test_copies import vllm_views
+from kvring.connector.cache_layouts import vllm_views
 
 CHUNK, BLOCK, CH, BLOCKS = 32, 16, 8, 48
 SRC_BLOCKS, DST_BLOCKS = list(range(4, 12)), list(range(20, 28))  # 4 chunks x 2 blocks
