@@ -6,6 +6,13 @@ request (from ``draining`` or ``drained``) goes back to ``active``.  Requests co
 on the admin port; each source is remembered, and the node stays out of the ring while any
 remains.
 
+Restart: a node whose pod the operator rolls to a new revision on a cluster with a disk tier is
+marked restarting in etcd (``Etcd.request_restart``).  Its preStop ``POST /drain`` then asks
+``keep_for_restart`` first: with the marker there (and no drain under way), the node does not
+drain -- it keeps its chunks, which are on its disk, stays on the ring until SIGTERM stops it,
+and takes them back when it returns.  A drain requested through etcd (scale-in, ``kvring drain
+--node``) is never turned into a restart.
+
 Threading contract: called from the registration thread, the HTTP threads and the handoff
 thread; one lock guards the transitions.  ``set_state`` (the node's) must not block.
 """
@@ -36,6 +43,23 @@ class Drain:
         self.requests: set[str] = set()  # who asked: "etcd", "http"
         self.started: float | None = None
         self.finished: float | None = None
+        # Whether the operator marked this node as restarting (set by ``Registration``: a fresh read
+        # of the marker in etcd); without etcd, never.
+        self.restart_marked: Callable[[], bool] = lambda: False
+        self.kept_for_restart: float | None = None  # when a POST /drain kept the chunks for a restart
+
+    def keep_for_restart(self) -> bool:
+        """Whether a ``POST /drain`` should keep the chunks for a restart instead of draining: the
+        operator marked this node restarting and no drain is under way or asked for."""
+        if self.requests or self._state() in LEFT_RING_STATES or not self.restart_marked():
+            return False
+        with self._lock:
+            if self.requests or self._state() in LEFT_RING_STATES:
+                return False
+            self.kept_for_restart = time.time()
+        logger.info("node %s is marked restarting: keeping its %d chunks for its return, not draining",
+                    self.node_id, self._held())
+        return True
 
     def request(self, source: str) -> None:
         """Start draining (idempotent); ``source`` ("etcd" or "http") records who asked."""
@@ -89,4 +113,12 @@ class Drain:
             "remaining": self._held() if left else None,
             "reason": reason,
             "waiting": waiting,
+            "kept_for_restart_at": self.kept_for_restart,
         }
+
+    def restart_status(self) -> dict:
+        """The answer to a ``POST /drain`` that kept the chunks for a restart."""
+        held = self._held()
+        return {**self.status(), "restart": True, "kept": held,
+                "message": f"{self.node_id} is marked restarting: it keeps its {held} chunks for its return "
+                           "(on its disk) and does not hand them off; it stops on SIGTERM"}

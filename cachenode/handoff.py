@@ -165,7 +165,7 @@ class Handoff:
                   avoid: frozenset[str] = frozenset()) -> int:
         """Run one repair pass on ``ring``; returns how many chunks left this node."""
         progress = self.repair
-        progress.begin(trigger or "drain")
+        progress.begin(trigger or "drain", epoch=ring.epoch)
         repair = RepairPass(client, self.node_id, ring, progress, self._limit, self._stop, draining=draining,
                             page=self.page, batch=self.batch, avoid=avoid)
         try:
@@ -174,7 +174,7 @@ class Handoff:
             repair.incomplete = True
             raise
         finally:
-            progress.end()
+            progress.end(incomplete=repair.incomplete or self._stop.is_set())
             self.next_trigger = "retry" if repair.incomplete else "periodic"
             self.next_pass = time.monotonic() + (self.retry if repair.incomplete else self.repair_interval)
         if progress.copied:

@@ -11,7 +11,9 @@ Guarded by the cluster's node token (``Authorization: Bearer <token>``, from eve
 loopback included; see "Node token" below):
 
 - ``POST /drain`` and ``DELETE /drain``: start or withdraw a drain, from loopback only too (the
-  pod's preStop hook; from elsewhere, drain through etcd, which the admin API guards);
+  pod's preStop hook; from elsewhere, drain through etcd, which the admin API guards).  A node
+  the operator marked restarting (``restart/<node-id>`` in etcd) answers ``POST /drain`` with
+  200 and ``"restart": true`` and keeps its chunks (``drain.py``);
 - ``POST /v1/present`` ``{"keys": [hex, ...]}`` -> ``{"present": [bool, ...]}`` (no lease) and
   ``POST /v1/flush`` ``{"namespace": ...}`` -> ``{"deleted": n}``: what the admin API asks
   each node, so it never needs the data protocol's client.  ``present`` changes nothing but
@@ -19,7 +21,9 @@ loopback included; see "Node token" below):
 - ``POST /debug/corrupt?key=HEX``: with ``--fault-injection`` only, from loopback only: flip a
   byte of a stored chunk, so tests can show a corrupt chunk is never loaded;
   ``POST /debug/stall?seconds=S`` (same conditions): block the data loop that long, as a hung
-  handler would (the self-check's case); ``POST /debug/signal-on-get?signal=SIGSTOP|SIGKILL``
+  handler would (the self-check's case); ``POST /debug/disk-stall?seconds=S`` (same
+  conditions): every operation of the disk tier waits that long, as on a hung device;
+  ``POST /debug/signal-on-get?signal=SIGSTOP|SIGKILL``
   (same conditions): the node sends itself that signal when the next GET arrives, before
   answering it, so a test can hang or kill it in the middle of a load.
 
@@ -109,11 +113,16 @@ def _handler_class(node: CacheNode):
                     self._json(200, self._corrupt())
                 elif path == "/debug/stall":
                     self._json(202, self._stall())
+                elif path == "/debug/disk-stall":
+                    self._json(202, self._disk_stall())
                 elif path == "/debug/signal-on-get":
                     self._json(202, self._signal_on_get())
                 elif self._drain_allowed(path):
-                    node.drain.request("http")
-                    self._json(202, node.drain.status())
+                    if node.drain.keep_for_restart():  # marked restarting by the operator: keep the chunks
+                        self._json(200, node.drain.restart_status())
+                    else:
+                        node.drain.request("http")
+                        self._json(202, node.drain.status())
             except _BadRequest as exc:
                 self._json(exc.code, {"error": str(exc)}, exc.headers)
 
@@ -152,7 +161,7 @@ def _handler_class(node: CacheNode):
 
         def _present(self, body: bytes) -> list[bool]:
             keys = _keys_of(body)
-            return node.server.call(lambda: [k in node.store for k in keys])
+            return node.server.call(lambda: [k in node.holdings for k in keys])
 
         def _flush(self, body: bytes) -> int:
             try:
@@ -161,7 +170,7 @@ def _handler_class(node: CacheNode):
                 raise _BadRequest(400, 'the body must be JSON: {"namespace": "..."}') from None
             if not isinstance(namespace, str) or not namespace:
                 raise _BadRequest(400, "a non-empty namespace is required (chunks put without one cannot be flushed)")
-            deleted = node.server.call(lambda: node.store.delete_namespace(namespace))
+            deleted = node.server.call(lambda: node.holdings.delete_namespace(namespace))
             logger.info("flushed namespace %r: %d chunks (admin port)", namespace[:300], deleted)
             return deleted
 
@@ -180,6 +189,18 @@ def _handler_class(node: CacheNode):
             threading.Thread(target=lambda: node.server.call(lambda: time.sleep(seconds), timeout=seconds + 5),
                              daemon=True).start()
             return {"stalled_s": seconds}
+
+        def _disk_stall(self) -> dict:
+            """Make every operation of the disk tier wait ``seconds`` (at most 60), like a hung device."""
+            query = self._fault_injection()
+            if node.disk is None:
+                raise _BadRequest(409, "this node has no disk tier (--disk-dir)")
+            try:
+                seconds = min(60.0, max(0.0, float(query.get("seconds", "5"))))
+            except ValueError:
+                raise _BadRequest(400, "give ?seconds=S") from None
+            node.disk.stall(seconds)
+            return {"disk_stalled_s": seconds}
 
         def _signal_on_get(self) -> dict:
             """Arm the data loop to send this process ``signal`` when the next GET arrives."""

@@ -4,11 +4,16 @@ The node id is fenced (see ``kvring.membership.registrar``): a record already ho
 a running node if that node's data port answers PING under the id (``answers_as``); then this
 node refuses to start, else it takes the record over.
 
+It also publishes the node's repair report (``repair/<node-id>`` under the node's lease: the
+handoff thread's last pass, ``RepairReport``) whenever it changes, and answers
+``Drain.restart_marked`` (whether the operator marked this node restarting) with a fresh read
+of ``restart/<node-id>``.
+
 Threading contract: one daemon thread runs an asyncio loop with the ``Registrar`` (keeps the
 record alive, re-registers after etcd outages), a watcher of the node's drain key (read once,
-then watched; each change turned into ``Drain.request``/``cancel``) and the node's
-``SelfCheck`` of its data plane.  Other threads
-call ``set_state`` and ``leave``, which hand their work to that loop.
+then watched; each change turned into ``Drain.request``/``cancel``), the repair report's
+publisher and the node's ``SelfCheck`` of its data plane.  Other threads
+call ``set_state``, ``leave`` and ``restart_marked``, which hand their work to that loop.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import threading
 
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError, NodeIdTaken
-from kvring.common.records import NodeRecord
+from kvring.common.records import NodeRecord, RepairReport
 from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd
 from kvring.membership.registrar import Registrar
@@ -32,6 +37,17 @@ from .probe import PROBE_TIMEOUT, answers_as
 from .selfcheck import SelfCheck
 
 logger = logging.getLogger(__name__)
+
+REPORT_INTERVAL = 0.5  # seconds between looks at the handoff thread's repair progress
+
+
+def repair_report(node_id: str, incarnation: str, progress) -> RepairReport:
+    """The report of a ``repair.RepairProgress`` (read ``active`` first: see its threading note)."""
+    running = progress.active
+    return RepairReport(node_id=node_id, incarnation=incarnation, epoch=progress.last_epoch, running=running,
+                        pending=progress.incomplete, missing=progress.missing if not running else 0,
+                        copied=progress.copied if not running else 0, passes=progress.passes)
+
 
 class Registration:
     def __init__(self, settings: EtcdSettings, record: NodeRecord, contract: Contract, ttl: int,
@@ -49,6 +65,7 @@ class Registration:
         self.on_fatal = lambda: None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
+        drain.restart_marked = self.restart_marked
 
     @property
     def registered(self) -> bool:
@@ -84,6 +101,20 @@ class Registration:
             self._run(self.etcd.cancel_drain(self.node_id), "could not remove this node's drain request from etcd")
         self._run(self.registrar.deregister(), "could not revoke the etcd lease; it will expire by itself")
 
+    def restart_marked(self, timeout: float | None = None) -> bool:
+        """Whether the operator marked this node restarting (a fresh read of its marker in etcd);
+        False when etcd cannot say in time: then the node drains, as it would without a marker."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return False
+        fut = asyncio.run_coroutine_threadsafe(self.etcd.restart_requested(self.node_id), loop)
+        try:
+            return bool(fut.result(timeout=timeout or self.settings.timeout * 2))
+        except Exception as exc:
+            fut.cancel()
+            logger.warning("cannot read this node's restart marker from etcd (%s): draining as usual", exc)
+            return False
+
     def _run(self, coro, failure: str) -> None:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
@@ -114,6 +145,7 @@ class Registration:
             return
         ready.set()
         watcher = asyncio.ensure_future(self._watch_drain_key(Etcd(self.settings)))
+        reporter = asyncio.ensure_future(self._publish_repair())
         checker = asyncio.ensure_future(self.self_check.run()) if self.self_check is not None else None
         try:
             await self.registrar.run()
@@ -123,6 +155,7 @@ class Registration:
             self.on_fatal()
         finally:
             watcher.cancel()
+            reporter.cancel()
             if checker is not None:
                 checker.cancel()
 
@@ -141,6 +174,23 @@ class Registration:
                 await asyncio.sleep(self.drain_poll)
         finally:
             await etcd.close()
+
+    async def _publish_repair(self) -> None:
+        """Write the repair report whenever it (or the lease it must live under) changes."""
+        written: tuple[RepairReport, int] | None = None
+        while not self._stopping.is_set():
+            await asyncio.sleep(REPORT_INTERVAL)
+            handoff, lease = self.drain.handoff, self.registrar.lease_id
+            if handoff is None or lease is None:
+                continue
+            report = repair_report(self.node_id, self.registrar.record.incarnation, handoff.repair)
+            if (report, lease) == written:
+                continue
+            try:
+                await self.etcd.put_repair_report(report, lease)
+                written = (report, lease)
+            except MembershipError as exc:
+                logger.debug("cannot publish the repair report yet: %s", exc)
 
     def _drain_requested(self, requested: bool) -> None:
         if self._stopping.is_set():

@@ -65,15 +65,24 @@ class RepairProgress:
     copied_total: int = 0
     copied_bytes_total: int = 0
     rate_limit: int = 0  # bytes per second (0: none)
+    epoch: int = 0  # ring epoch of the current (or last) pass
+    last_epoch: int = 0  # ring epoch of the last finished pass
+    incomplete: bool = False  # the last finished pass left work (an owner did not answer): it runs again soon
 
-    def begin(self, trigger: str) -> None:
+    # Read by the registration thread while the handoff thread writes: ``begin`` sets ``active``
+    # first and leaves ``last_epoch``/``incomplete`` alone; ``end`` sets those before it clears
+    # ``active``.  So a reader that sees ``active`` False reads the last finished pass's verdict.
+
+    def begin(self, trigger: str, epoch: int = 0) -> None:
         """A pass starts: its own counts from zero, the totals kept."""
         self.active, self.trigger = True, trigger
+        self.epoch = epoch
         self.scanned = self.missing = self.copied = self.copied_bytes = self.unreachable = 0
         self.started_at, self.finished_at = time.time(), None
 
-    def end(self) -> None:
+    def end(self, incomplete: bool = False) -> None:
         """The pass is over (finished or broken off): its counts join the totals."""
+        self.last_epoch, self.incomplete = self.epoch, incomplete
         self.active = False
         self.passes += 1
         self.finished_at = time.time()

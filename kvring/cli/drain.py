@@ -9,6 +9,10 @@ Two ways in, same outcome (see ``cachenode/node.py``):
 - ``--etcd ... --cluster ... --node ID``: writes the node's drain key in etcd, which the node
   polls; works from anywhere that reaches etcd (an operator, a person).
 
+A node the operator marked restarting (a rolling update of a cluster with a disk tier) answers
+the ``POST`` with ``"restart": true`` and keeps its chunks: the command says so and exits 0 at
+once, so the pod's shutdown is not held up.
+
 With ``--wait SECONDS`` the command follows the node's progress until it reports ``drained``
 and exits 0, or exits 1 when the time is up, printing why the node has not finished.  It stops
 waiting early (exit 1) once the node has reported for ``NOWHERE_GRACE_SECONDS`` that no active
@@ -101,6 +105,9 @@ def drain_via_admin(url: str, wait: float, cancel: bool, echo: Callable[[str], N
         raise DrainFailed(f"the node at {base} refused: HTTP {code}: {body.get('error', body)}")
     if cancel:
         echo(f"drain withdrawn: {_describe(body)}")
+        return body
+    if body.get("restart"):  # marked restarting by the operator: the node keeps its chunks, nothing to follow
+        echo(f"not draining {base}: {body.get('message') or 'marked restarting, it keeps its chunks'}")
         return body
     echo(f"drain requested at {base}: {_describe(body)}")
     if wait <= 0:

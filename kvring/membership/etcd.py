@@ -13,6 +13,13 @@ Layout under ``<prefix>/<cluster>/`` (default prefix ``/kvring``):
   the key (``cancel_drain``) before the node exits sends it back to ``active``.  A node that
   exits after reporting ``drained`` deletes its key itself: the request has been carried out,
   and a pod that later comes back under the same id starts active.
+- ``restart/<node-id>``: a restart marker (no lease; JSON with the time and the revision the
+  node restarts into), set by the operator before it lets a node's pod go in a rolling update
+  of a cluster with a disk tier.  While it exists, the node's preStop ``POST /drain`` does not
+  drain: the node keeps its chunks on disk and takes them back when it returns.  The operator
+  removes it once the pod is back (``cancel_restart``).  A drain request always wins.
+- ``repair/<node-id>``: the node's ``RepairReport`` (attached to its lease), which the
+  operator reads to know when repair has settled after a node came back.
 
 Node states are ``kvring.common.types.NodeState``.
 
@@ -35,7 +42,7 @@ import msgspec
 
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError
-from kvring.common.records import NodeRecord
+from kvring.common.records import NodeRecord, RepairReport
 
 from .settings import EtcdSettings, check_node_id
 
@@ -68,6 +75,27 @@ class ClusterSnapshot:
     contract: Contract | None
     members: dict[str, NodeRecord]
     revision: int
+
+
+@dataclass(frozen=True)
+class RestartView:
+    """What a rolling restart needs to know of a cluster, from one range read of its prefix."""
+
+    members: dict[str, NodeRecord]
+    # node id -> etcd revision its record last changed at: every client's ring is at least this
+    # new once it has seen the record as it is (a node that came back writes a new incarnation)
+    written: dict[str, int]
+    repair: dict[str, RepairReport]
+    restarting: set[str]  # node ids with a restart marker
+    revision: int
+
+
+def decode_report(key: bytes, value: bytes) -> RepairReport | None:
+    try:
+        return msgspec.json.decode(value, type=RepairReport)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        logger.warning("ignoring a malformed repair report at %s", key)
+        return None
 
 
 @dataclass(frozen=True)
@@ -273,6 +301,56 @@ class Etcd:
 
     def drain_key(self, node_id: str) -> bytes:
         return self.settings.key("drain", check_node_id(node_id))
+
+    async def request_restart(self, node_id: str, revision: str = "") -> None:
+        """Mark ``node_id`` as restarting into ``revision``: its next ``POST /drain`` keeps its chunks
+        (idempotent)."""
+        key = self.restart_key(node_id)
+        value = json.dumps({"requested_at": time.time(), "revision": revision}).encode()
+        await self.call(lambda c: c.put(key, value))
+
+    async def cancel_restart(self, node_id: str) -> None:
+        """Remove ``node_id``'s restart marker (a drain through its preStop hands off again)."""
+        key = self.restart_key(node_id)
+        await self.call(lambda c: c.delete(key))
+
+    async def restart_requests(self) -> set[str]:
+        """Node ids with a restart marker."""
+        rng = await self.call(lambda c: c.get_prefix(self.settings.restart_prefix))
+        cut = len(self.settings.restart_prefix)
+        return {kv.key[cut:].decode() for kv in rng}
+
+    async def restart_requested(self, node_id: str) -> bool:
+        """Whether ``node_id`` has a restart marker."""
+        got = await self.call(lambda c: c.get(self.restart_key(node_id)))
+        return got is not None
+
+    def restart_key(self, node_id: str) -> bytes:
+        return self.settings.key("restart", check_node_id(node_id))
+
+    async def put_repair_report(self, report: RepairReport, lease_id: int) -> None:
+        """Write a node's repair report under its lease."""
+        key = self.settings.key("repair", check_node_id(report.node_id))
+        value = msgspec.json.encode(report)
+        await self.call(lambda c: c.put(key, value, lease=lease_id))
+
+    async def restart_view(self) -> RestartView:
+        """Members with the revisions their records were written at, repair reports and restart markers, in one
+        range read of the cluster's prefix."""
+        rng = await self.call(lambda c: c.get_prefix(self.settings.key("")))
+        s = self.settings
+        members, written, repair, restarting = {}, {}, {}, set()
+        for kv in rng:
+            if kv.key.startswith(s.nodes_prefix):
+                if (rec := decode_record(kv.key, kv.value)) is not None:
+                    members[rec.node_id] = rec
+                    written[rec.node_id] = kv.mod_revision
+            elif kv.key.startswith(s.repair_prefix):
+                if (report := decode_report(kv.key, kv.value)) is not None:
+                    repair[report.node_id] = report
+            elif kv.key.startswith(s.restart_prefix):
+                restarting.add(kv.key[len(s.restart_prefix):].decode())
+        return RestartView(members, written, repair, restarting, rng.header.revision)
 
     async def delete_cluster(self) -> int:
         rng = await self.call(lambda c: c.delete_prefix(self.settings.key("")))

@@ -49,6 +49,11 @@ class Registrar:
         self._dirty = True
         self._wake = asyncio.Event()
 
+    @property
+    def lease_id(self) -> int | None:
+        """The lease the record lives under now (None while not registered)."""
+        return self._lease.id if self._lease is not None else None
+
     def set_state(self, state: NodeState) -> None:
         """Change the recorded state; the record is rewritten at once, not at the next refresh."""
         self.record = msgspec.structs.replace(self.record, state=NodeState(state))

@@ -1,7 +1,7 @@
 """Where a cluster's membership lives: etcd endpoints, the cluster's name and key prefix.
 
 Layout under ``<prefix>/<cluster>/`` (default prefix ``/kvring``): ``contract``, ``nodes/<id>``,
-``drain/<id>`` (see ``kvring.membership.etcd``).
+``drain/<id>``, ``restart/<id>``, ``repair/<id>`` (see ``kvring.membership.etcd``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ class EtcdSettings:
     @property
     def drain_prefix(self) -> bytes:
         return self.key("drain") + b"/"
+
+    @property
+    def restart_prefix(self) -> bytes:
+        return self.key("restart") + b"/"
+
+    @property
+    def repair_prefix(self) -> bytes:
+        return self.key("repair") + b"/"
 
 
 def check_node_id(node_id: str) -> str:
