@@ -1,9 +1,11 @@
 """The node's request handlers: one decoded request in, its reply (or error) out.
 
 Threading contract: runs on the node's I/O thread only (``Server`` calls ``handle`` from its
-loop); it owns the store through that thread.  Nothing here blocks: a handler does work bounded
-by the request's limits (``kvring.common.protocol``), and a GET's layers are produced by a
-generator the server runs a slice at a time.
+loop); it owns the node's holdings (``holdings.py``) through that thread.  Nothing here blocks: a
+handler does work bounded by the request's limits (``kvring.common.protocol``), a GET's layers
+are produced by a generator the server runs a slice at a time, and a GET of chunks held only on
+disk is answered when the disk tier's readers have brought them (or after
+``disk_read_timeout``, with the rest as misses).
 
 Bad input is answered with its ``ErrorCode`` and counted; it is logged as a summary at most
 every ``BadInputLog.period`` seconds, whatever the rate, with messages cut to a bounded length.
@@ -26,9 +28,10 @@ from kvring.common.chunk import validate_meta
 from kvring.common.errors import ErrorCode, ProtocolError
 
 from .framing import FramingError, Message, pack
+from .holdings import Holdings
 from .metrics import NodeMetrics
 from .server import Connection, Server
-from .store import ChunkStore, StoreFull
+from .store import Entry, StoreFull
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +80,11 @@ class BadInputLog:
 
 
 class Dispatcher:
-    def __init__(self, node_id: str, store: ChunkStore, metrics: NodeMetrics, server: Server,
-                 max_chunk_bytes: int, stats: Callable[[], dict]) -> None:
+    def __init__(self, node_id: str, holdings: Holdings, metrics: NodeMetrics, server: Server,
+                 max_chunk_bytes: int, stats: Callable[[], dict], disk_read_timeout: float = 2.0) -> None:
         self.node_id = node_id
-        self.store = store
+        self.holdings = holdings
+        self.disk_read_timeout = disk_read_timeout
         self.metrics = metrics
         self.server = server
         self.max_chunk_bytes = max_chunk_bytes
@@ -160,7 +164,7 @@ class Dispatcher:
 
     def _lookup(self, conn, req: P.Lookup, _) -> None:
         self._check_keys(req.keys)
-        present = self.store.lookup(req.keys, min(max(req.lease_ms, 0), P.MAX_LEASE_MS))
+        present = self.holdings.lookup(req.keys, min(max(req.lease_ms, 0), P.MAX_LEASE_MS))
         hits = sum(present)
         self.metrics.found("lookup", hits, len(present) - hits)
         self._reply(conn, P.LookupReply(rid=req.rid, present=present))
@@ -176,7 +180,22 @@ class Dispatcher:
         if req.layer_start < 0 or (req.layer_end != -1 and req.layer_end <= req.layer_start):
             raise ProtocolError(f"layer range [{req.layer_start}, {req.layer_end}) is empty or negative",
                                 ErrorCode.BAD_RANGE)
-        entries = [self.store.get(k) for k in req.keys]
+        self.holdings.fetch(req.keys, lambda entries: self._answer_get(conn, req, entries), self.disk_read_timeout)
+
+    def _answer_get(self, conn: Connection, req: P.Get, entries: list[Entry | None]) -> None:
+        """Answer a GET with its entries (at once, or once the disk tier has read them)."""
+        if conn not in self.server.conns:
+            return  # the client went while the disk was read
+        try:
+            self._answer_entries(conn, req, entries)
+        except ProtocolError as exc:
+            self.bad_input.bad(exc.code, conn.peer, str(exc))
+            self._error(conn, req.rid, exc.code, str(exc))
+        except Exception as exc:  # as in ``handle``: answered, counted, never fatal
+            self.bad_input.internal(exc)
+            self._error(conn, req.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _answer_entries(self, conn: Connection, req: P.Get, entries: list[Entry | None]) -> None:
         found = [(pos, e) for pos, e in enumerate(entries) if e is not None]
         self.metrics.found("get", len(found), len(entries) - len(found))
         end = req.layer_end
@@ -215,7 +234,7 @@ class Dispatcher:
             if xxhash.xxh3_64_intdigest(view[layer * lb:(layer + 1) * lb]) != expected:
                 raise ProtocolError(f"checksum of layer {layer} does not match; chunk rejected", ErrorCode.CHECKSUM)
         try:
-            stored = self.store.put(req.key, req.meta, buf)
+            stored = self.holdings.put(req.key, req.meta, buf)
         except StoreFull as exc:
             raise ProtocolError(str(exc), ErrorCode.NO_SPACE) from None
         self.metrics.bytes_in.inc(view.nbytes)
@@ -223,7 +242,7 @@ class Dispatcher:
 
     def _delete(self, conn, req: P.Delete, _) -> None:
         self._check_keys(req.keys)
-        deleted = sum(self.store.delete(k) for k in req.keys)
+        deleted = sum(self.holdings.delete(k) for k in req.keys)
         self._reply(conn, P.DeleteReply(rid=req.rid, deleted=deleted))
 
     def _stats(self, conn, req: P.Stats, _) -> None:
@@ -233,12 +252,12 @@ class Dispatcher:
         if not req.namespace:
             raise ProtocolError("Flush needs a namespace; chunks put without one cannot be flushed",
                                 ErrorCode.BAD_NAMESPACE)
-        deleted = self.store.delete_namespace(req.namespace)
+        deleted = self.holdings.delete_namespace(req.namespace)
         logger.info("flushed namespace %r: %d chunks", _short(req.namespace), deleted)
         self._reply(conn, P.FlushReply(rid=req.rid, deleted=deleted))
 
     def _keys(self, conn, req: P.ListKeys, _) -> None:
-        keys = self.store.keys_after(req.after, min(max(req.limit, 0), P.MAX_LIST_KEYS))
+        keys = self.holdings.keys_after(req.after, min(max(req.limit, 0), P.MAX_LIST_KEYS))
         self._reply(conn, P.KeysReply(rid=req.rid, keys=keys))
 
 

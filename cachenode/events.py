@@ -26,11 +26,15 @@ class NodeEvents:
 
     def stored(self, key: bytes, meta: ChunkMeta) -> None:
         if meta.blocks is not None:
-            self.publisher.publish((True, meta.blocks))
+            self.blocks_changed(True, meta.blocks)
 
     def removed(self, key: bytes, meta: ChunkMeta) -> None:
         if meta.blocks is not None:
-            self.publisher.publish((False, meta.blocks))
+            self.blocks_changed(False, meta.blocks)
+
+    def blocks_changed(self, stored: bool, blocks: ChunkBlocks) -> None:
+        """Announce ``blocks`` as stored or removed (any thread)."""
+        self.publisher.publish((stored, blocks))
 
     def _render(self, item: AllBlocksCleared | tuple[bool, ChunkBlocks]) -> Event:
         if isinstance(item, AllBlocksCleared):

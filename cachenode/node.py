@@ -39,11 +39,14 @@ from kvring.events.publisher import PublisherSettings
 from kvring.membership.settings import EtcdSettings
 
 from .buffers import BufferPool
+from .disk.identity import DiskError, DiskIdentity
+from .disk.tier import DiskConfig, DiskTier
 from .dispatch import Dispatcher
 from .drain import Drain
 from .events import NodeEvents
 from .framing import FrameLimits
 from .handoff import Handoff
+from .holdings import Holdings
 from .http import make_http_server
 from .metrics import NodeMetrics
 from .policy import make_policy
@@ -90,6 +93,7 @@ class NodeConfig:
     node_token: str | None = field(default=None, repr=False)
     # KV events (vLLM's wire format) of the chunks that name their blocks; None: not published.
     events: PublisherSettings | None = None
+    disk: DiskConfig | None = None  # the disk tier under memory (--disk-dir); None: memory only
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -128,11 +132,15 @@ class CacheNode:
         self.store = ChunkStore(config.memory, make_policy(config.policy), config.max_leased_fraction,
                                 recycle=self.buffers.give)
         self.metrics = NodeMetrics(self.store)
+        cluster = config.etcd.cluster if config.etcd is not None else "default"
+        self.disk: DiskTier | None = None
+        if config.disk is not None:  # its index is rebuilt before the node answers or registers
+            identity = DiskIdentity(cluster, config.node_id, config.contract.to_json().decode())
+            self.disk = DiskTier(config.disk, identity, take=self.buffers.take)
+            self.disk.open()
         self.events: NodeEvents | None = None
         if config.events is not None:
-            cluster = config.etcd.cluster if config.etcd is not None else "default"
             self.events = NodeEvents(cluster, config.events)
-            self.store.watch(self.events)
         limits = FrameLimits(max_header=P.MAX_HEADER_BYTES, max_payloads=4, max_payload=config.max_chunk_bytes,
                              max_total=config.max_chunk_bytes)
         self.server = Server(config.host, config.data_port, handler=lambda conn, msg: None, limits=limits,
@@ -141,8 +149,10 @@ class CacheNode:
                              receive_budget=config.receive_budget, receive_timeout=config.receive_timeout)
         self.metrics.watch_server(self.server)
         self.data_port = self.server.port
-        self.dispatcher = Dispatcher(config.node_id, self.store, self.metrics, self.server,
-                                     config.max_chunk_bytes, self.stats)
+        self.holdings = Holdings(self.store, self.disk, self.server, self.events)
+        self.dispatcher = Dispatcher(config.node_id, self.holdings, self.metrics, self.server,
+                                     config.max_chunk_bytes, self.stats,
+                                     config.disk.read_timeout if config.disk is not None else 2.0)
         self.http = make_http_server(self, config.host, config.admin_port)
         self.admin_port = self.http.server_address[1]
         adv = config.advertise_host or config.host
@@ -157,7 +167,7 @@ class CacheNode:
             events_replay_addr=f"tcp://{adv}:{self.events.publisher.replay_port}" if self.events else "",
         )
         self.drain = Drain(config.node_id, state=lambda: self.record.state, set_state=self.set_state,
-                           held=lambda: len(self.store))
+                           held=self.held)
         self.registration: Registration | None = None
         self.handoff: Handoff | None = None
         self.fatal: str | None = None
@@ -165,8 +175,17 @@ class CacheNode:
 
     # ---- lifecycle --------------------------------------------------------------------------
 
+    def held(self) -> int:
+        """Chunks held in memory or on disk (any thread)."""
+        if self.disk is None:
+            return len(self.store)  # one integer read: no trip to the data loop
+        if self.server.on_loop():
+            return len(self.holdings)
+        return self.server.call(self.holdings.__len__)
+
     def start_background(self) -> None:
         threading.Thread(target=self.http.serve_forever, name="kvring-http", daemon=True).start()
+        self.holdings.announce_disk()
         if self.config.etcd is None:
             return
         # The id probe and the self-check PING this node's data port like any client.
@@ -184,7 +203,7 @@ class CacheNode:
         self.registration.start()  # raises ContractMismatch or NodeIdTaken
         if self.config.handoff:
             self.handoff = Handoff(self.config.node_id, self.config.etcd, self.config.contract,
-                                   state=lambda: self.record.state, held=lambda: len(self.store),
+                                   state=lambda: self.record.state, held=self.held,
                                    on_drained=self.drain.drained, repair_rate=self.config.repair_rate,
                                    repair_interval=self.config.repair_interval, tls=self.config.tls)
             self.drain.handoff = self.handoff
@@ -231,6 +250,8 @@ class CacheNode:
         if self.registration is not None:
             self.registration.leave(drained=self.record.state == NodeState.DRAINED and "etcd" in self.drain.requests)
         self.http.shutdown()
+        if self.disk is not None:
+            self.disk.close()  # writes what is still queued first
         if self.events is not None:
             self.events.close()
 
@@ -275,16 +296,24 @@ class CacheNode:
             "tls": self.config.tls is not None,
             "tls_refused": self.metrics.refused_count,
             "kv_events": self.events.publisher.stats() if self.events else None,
+            "disk": self._disk_stats(),
             "uptime_s": round(time.time() - self.started, 3),
             "pid": os.getpid(),
         }
+
+
+    def _disk_stats(self) -> dict | None:
+        if self.disk is None:
+            return None
+        return {**self.disk.stats(), "prefetched": self.holdings.prefetched,
+                "read_timeouts": self.holdings.read_timeouts}
 
 
 def run_node(config: NodeConfig) -> int:
     """Run a node until SIGTERM/SIGINT; prints one READY line with its addresses for launchers."""
     try:
         node = CacheNode(config)
-    except CredentialsError as exc:
+    except (CredentialsError, DiskError) as exc:
         print(f"error: {exc}", flush=True)
         return 2
     try:

@@ -3,7 +3,9 @@
 Threading contract: ``serve_forever`` (an ``epoll`` loop) runs on the node's I/O thread, and everything here (the
 connections, the handler it calls, the store behind it) is owned by that thread.  Other
 threads reach it only through ``call`` (run a function on the loop and wait for its result),
-``stop`` and ``keep_peer``; the first two wake the loop through a socket pair.
+``post`` (run one soon, without waiting), ``stop`` and ``keep_peer``; the first three wake the
+loop through a socket pair.  ``later`` runs a function on the loop after a delay (its timers
+bound the loop's wait).
 
 Per connection, the loop reads with a ``FrameReader`` (bounded by ``FrameLimits`` before any
 allocation) and hands each complete message to the handler, which answers with ``send``
@@ -44,11 +46,13 @@ from __future__ import annotations
 
 import errno
 import heapq
+import itertools
 import logging
 import resource
 import select
 import socket
 import ssl
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -117,7 +121,10 @@ class Server:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.epoll.register(self._wake_r.fileno(), select.EPOLLIN)
-        self._calls: deque[tuple[Callable, Future]] = deque()
+        self._calls: deque[tuple[Callable, Future | None]] = deque()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []  # (when, order, fn): ``later``
+        self._timer_seq = itertools.count()
+        self._loop_thread: int | None = None
         self._stopping = False
         self.conns: set[Connection] = set()
         self._by_fd: dict[int, Connection] = {}
@@ -162,6 +169,19 @@ class Server:
         self._wake()
         return fut.result(timeout)
 
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the loop thread soon, without waiting for it (from any thread)."""
+        self._calls.append((fn, None))
+        self._wake()
+
+    def on_loop(self) -> bool:
+        """Whether the calling thread is the loop's."""
+        return threading.get_ident() == self._loop_thread
+
+    def later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the loop thread once ``delay`` seconds have passed (loop thread only)."""
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._timer_seq), fn))
+
     def stop(self) -> None:
         self._stopping = True
         self._wake()
@@ -181,13 +201,15 @@ class Server:
 
     def serve_forever(self) -> None:
         listener, wake, by_fd = self.listener.fileno(), self._wake_r.fileno(), self._by_fd
+        self._loop_thread = threading.get_ident()
         try:
             while not self._stopping:
                 if self._streaming and self._runnable():
                     timeout = 0.0
                 else:  # until the next sweep, or until accepting resumes
                     now = time.monotonic()
-                    timeout = min(now + 0.5, self._next_sweep, self._accept_at or self._next_sweep) - now
+                    timeout = min(now + 0.5, self._next_sweep, self._accept_at or self._next_sweep,
+                                  self._timers[0][0] if self._timers else now + 0.5) - now
                 for fd, mask in self.epoll.poll(max(timeout, 0.0)):
                     conn = by_fd.get(fd)
                     if conn is not None:
@@ -210,6 +232,8 @@ class Server:
                 if self._paused:
                     self._resume()
                 now = time.monotonic()
+                if self._timers and self._timers[0][0] <= now:
+                    self._run_timers(now)
                 if self._accept_at is not None and now >= self._accept_at:
                     self._accept_at = None
                     self.epoll.modify(listener, select.EPOLLIN)
@@ -327,11 +351,23 @@ class Server:
             pass
         while self._calls:
             fn, fut = self._calls.popleft()
-            if fut.set_running_or_notify_cancel():
+            if fut is None:  # posted: nobody waits for it
+                try:
+                    fn()
+                except Exception:
+                    logger.exception("a function posted to the data loop failed")
+            elif fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
                 except BaseException as exc:  # handed to the calling thread
                     fut.set_exception(exc)
+
+    def _run_timers(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            try:
+                heapq.heappop(self._timers)[2]()
+            except Exception:
+                logger.exception("a timer of the data loop failed")
 
     def _read(self, conn: Connection) -> None:
         if conn.closing:

@@ -186,9 +186,20 @@ def node(
     receive_timeout: Annotated[float, typer.Option(
         help="Seconds a connection may stay silent in the middle of a request (or of its TLS handshake) "
              "before it is closed.", min=0.01)] = 10.0,
+    disk_dir: Annotated[str | None, typer.Option(
+        help="Keep every chunk on disk too, in this directory of its own: memory becomes the hot tier, and a "
+             "restart with the same --node-id and directory keeps the cache.", show_default=False)] = None,
+    disk_capacity: Annotated[str | None, typer.Option(
+        help="Disk budget with --disk-dir, e.g. 100GiB (oldest chunks go first past it).",
+        show_default=False)] = None,
+    disk_sync: Annotated[bool, typer.Option(help="fdatasync each batch of chunks written to disk before "
+                                                 "journaling them (off: a power loss may lose more).")] = True,
+    disk_write_queue: Annotated[str, typer.Option(
+        help="Bytes of chunks waiting for the disk; past it, chunks stay in memory only.")] = "256MiB",
     fault_injection: Annotated[bool, typer.Option(
         "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte, "
-                                  "POST /debug/stall?seconds=S blocks the data loop.",
+                                  "POST /debug/stall?seconds=S blocks the data loop, "
+                                  "POST /debug/disk-stall?seconds=S stalls the disk tier.",
         hidden=True)] = False,
     chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.", min=1)] = 256,
     vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).", min=1)] = 1024,
@@ -196,6 +207,7 @@ def node(
     verbose: VerboseOpt = False,
 ) -> None:
     """Run one cache node: the TCP data port, the HTTP admin port, and registration in etcd."""
+    from kvring.cachenode.disk.tier import DiskConfig
     from kvring.cachenode.node import NodeConfig, run_node
     from kvring.common.contract import Contract
     from kvring.events.publisher import PublisherSettings
@@ -207,7 +219,13 @@ def node(
         _free_port(host, events_port, "--events-port")
         _free_port(host, events_replay_port, "--events-replay-port")
     tls = _credentials(tls_dir)
+    if (disk_dir is None) != (disk_capacity is None):
+        raise typer.BadParameter("--disk-dir and --disk-capacity go together, e.g. --disk-dir /var/lib/kvring "
+                                 "--disk-capacity 100GiB")
     try:
+        disk = None if disk_dir is None else DiskConfig(
+            directory=disk_dir, capacity=_size(disk_capacity, "--disk-capacity"), sync=disk_sync,
+            write_queue=_size(disk_write_queue, "--disk-write-queue"))
         config = NodeConfig(
             node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
             admin_port=admin_port, advertise_host=advertise_host,
@@ -220,7 +238,8 @@ def node(
             tls=tls, node_token=_node_token(node_token_file), fault_injection=fault_injection,
             contract=Contract(chunk_size=chunk_size, vnodes=vnodes, replication=replication),
             events=PublisherSettings(host=host, port=events_port, replay_port=events_replay_port,
-                                     topic=events_topic) if events else None)
+                                     topic=events_topic) if events else None,
+            disk=disk)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if config.node_token is None:

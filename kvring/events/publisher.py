@@ -97,6 +97,11 @@ class EventPublisher:
         self._queue.extend(events)
         self._wake.set()
 
+    @property
+    def backlog(self) -> int:
+        """Events queued, not sent yet."""
+        return len(self._queue)
+
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then close both sockets."""
         self._stopping = True

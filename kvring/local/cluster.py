@@ -122,6 +122,8 @@ class NodeProcess:
     extra: list[str] = field(default_factory=list)
     data_port: int = 0
     admin_port: int = 0
+    disk_dir: str | None = None  # its disk tier's directory (kept over restarts), with ``disk_capacity``
+    disk_capacity: int = 0
     proc: subprocess.Popen | None = None
     _drainer: threading.Thread | None = None
     data_addr: str = ""
@@ -134,7 +136,9 @@ class NodeProcess:
                 "--memory", str(self.memory), "--etcd", self.etcd, "--cluster", self.cluster,
                 "--lease-ttl", str(self.lease_ttl), "--data-port", str(self.data_port),
                 "--admin-port", str(self.admin_port), "--chunk-size", str(c.chunk_size),
-                "--vnodes", str(c.vnodes), "--replication", str(c.replication), *self.extra]
+                "--vnodes", str(c.vnodes), "--replication", str(c.replication),
+                *(("--disk-dir", self.disk_dir, "--disk-capacity", str(self.disk_capacity)) if self.disk_dir else ()),
+                *self.extra]
 
     def start(self, timeout: float = 20.0, wait: bool = True) -> NodeProcess:
         env = dict(os.environ)
@@ -268,7 +272,8 @@ class LocalCluster:
     def __init__(self, nodes: int = 3, memory: int = 1 << 30, etcd: str | None = None,
                  cluster: str = "default", lease_ttl: int = 10, contract: Contract | None = None,
                  node_args: list[str] | None = None, admin: bool = False, admin_port: int = 0,
-                 admin_token: str | None = None, tls: bool = False, node_token: str | None = None) -> None:
+                 admin_token: str | None = None, tls: bool = False, node_token: str | None = None,
+                 disk: int = 0) -> None:
         self.local_etcd = None if etcd else LocalEtcd()
         self.etcd = etcd or self.local_etcd.endpoint
         self.cluster = cluster
@@ -288,8 +293,12 @@ class LocalCluster:
         with os.fdopen(fd, "w") as f:
             f.write(self.node_token + "\n")
         node_args = [*(node_args or []), "--node-token-file", str(self.node_token_file)]
+        # With ``disk`` (bytes per node): each node keeps a disk tier in a directory of its own under
+        # one temporary directory (removed on close), kept when a node restarts.
+        self.disk = disk
+        self._disk_root = tempfile.mkdtemp(prefix="kvring-disk-") if disk else None
         self.nodes = [NodeProcess(f"node-{i}", memory, self.etcd, cluster, lease_ttl, self.contract,
-                                  list(node_args)) for i in range(nodes)]
+                                  list(node_args), **self._disk_of(f"node-{i}")) for i in range(nodes)]
         self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token,
                                   self.node_token_file) if admin else None
 
@@ -313,21 +322,37 @@ class LocalCluster:
         """The HTTP header a request to a node's guarded admin endpoints needs."""
         return {"Authorization": f"Bearer {self.node_token}"}
 
+    def _disk_of(self, node_id: str) -> dict:
+        if self._disk_root is None:
+            return {}
+        return {"disk_dir": os.path.join(self._disk_root, node_id), "disk_capacity": self.disk}
+
     def add_node(self, memory: int | None = None) -> NodeProcess:
         first = self.nodes[0]
-        node = NodeProcess(f"node-{len(self.nodes)}", memory or first.memory, self.etcd, self.cluster,
-                           first.lease_ttl, self.contract, list(first.extra))
+        node_id = f"node-{len(self.nodes)}"
+        node = NodeProcess(node_id, memory or first.memory, self.etcd, self.cluster,
+                           first.lease_ttl, self.contract, list(first.extra), **self._disk_of(node_id))
         self.nodes.append(node.start())
         return node
 
     def restart_empty(self, index: int, timeout: float = 30.0) -> NodeProcess:
-        """SIGKILL node ``index`` and start it again under its id, empty, on the same ports (what
-        a container restart does); returns the new process, which also replaces it in ``nodes``."""
+        """SIGKILL node ``index`` and start it again under its id, on the same ports (what a
+        container restart does): empty, unless it has a disk tier, whose directory it keeps.
+        Returns the new process, which also replaces it in ``nodes``."""
+        return self.restart(index, graceful=False, timeout=timeout)
+
+    def restart(self, index: int, graceful: bool = True, timeout: float = 30.0) -> NodeProcess:
+        """Stop node ``index`` (SIGTERM, or SIGKILL unless ``graceful``) and start it again under
+        its id, on the same ports and with the same disk directory."""
         old = self.nodes[index]
-        old.kill()
+        if graceful:
+            old.stop()
+        else:
+            old.kill()
         new = NodeProcess(old.node_id, old.memory, self.etcd, self.cluster, old.lease_ttl, self.contract,
                           list(old.extra), data_port=split_data_addr(old.data_addr)[1],
-                          admin_port=int(old.admin_addr.rpartition(":")[2]))
+                          admin_port=int(old.admin_addr.rpartition(":")[2]), disk_dir=old.disk_dir,
+                          disk_capacity=old.disk_capacity)
         self.nodes[index] = new.start(timeout=timeout)
         return new
 
@@ -354,6 +379,8 @@ class LocalCluster:
         if self.local_etcd is not None:
             self.local_etcd.close()
         shutil.rmtree(self._token_dir, ignore_errors=True)  # the credentials' directory, if there are any
+        if self._disk_root is not None:
+            shutil.rmtree(self._disk_root, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -1,0 +1,525 @@
+"""The disk tier: every chunk a node stores is also written to disk, behind its PUT, so memory
+is the hot tier over the disk and a restart keeps what was written.
+
+Writes: ``write`` (on the node's data loop) only queues the chunk; one writer thread appends
+queued records to the open segment's data file in batches, syncs the file (``fdatasync``, unless
+``sync`` is off), appends their journal entries and only then makes them visible in the index.
+The queue is bounded (``write_queue`` bytes): a chunk that finds it full is not written (counted
+as ``write_skipped``; it lives in memory only), so a slow or stalled disk never holds memory or
+the data loop.  After a batch is synced its pages are dropped from the page cache
+(``POSIX_FADV_DONTNEED``): the node's memory budget already holds the hot chunks, and a page
+cache double of them would only take memory from the pod.
+
+What a crash loses: a SIGKILLed node loses exactly the chunks still queued (at most
+``write_queue`` bytes, normally the last few milliseconds of PUTs: ``/stats``' ``disk.queued``);
+a power loss also loses up to ``JOURNAL_SYNC_SECONDS`` of journal entries.  Half-written records
+and torn journal entries are found and cut at the next start (``index.rebuild``).  A graceful
+stop (``close``) writes the whole queue first.
+
+Space: segments of ``segment_bytes`` are evicted whole, oldest first (FIFO by write time), when
+the next record would take the tier past ``capacity``; a full filesystem (ENOSPC) evicts the
+oldest segment and skips the record, counted as ``full``.
+
+Reads: ``read`` runs on a pool of ``read_threads`` threads, into a buffer from the node's pool;
+every record is checked (``records.parse_head``, ``records.check_payload``) before it is handed
+back.  A bad record is counted (``corrupt``), dropped from the index (and journaled as deleted)
+and answered as a miss.
+
+Deletes and flushes drop chunks from the index at once (and cancel queued writes), and journal
+a ``Deleted``/``Flushed`` entry so that a restart does not bring them back.
+
+Fault injection: ``stall(seconds)`` makes every disk operation of the tier wait that long first,
+like a hung device; the data loop is never one of them.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+
+from kvring.common.chunk import ChunkBlocks, ChunkMeta
+
+from .identity import DiskError, DiskIdentity, claim_directory, lock_directory
+from .index import DiskIndex, Location, RebuildReport, Segment, rebuild
+from .records import (DATA_SUFFIX, JOURNAL_SUFFIX, BadRecord, Deleted, Flushed, Stored, blocks_raw, check_payload,
+                      decode_entries, encode_entry, parse_head, record_head, segment_name)
+
+logger = logging.getLogger(__name__)
+
+JOURNAL_SYNC_SECONDS = 1.0
+BATCH_RECORDS = 64
+BATCH_BYTES = 64 << 20
+HEAD_READ = 64 << 10  # bytes read with a record's head (its payload's start comes along)
+CLOSE_TIMEOUT = 30.0  # seconds a graceful stop waits for the queue to be written
+
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """Settings of a node's disk tier (``kvring node --disk-dir --disk-capacity``)."""
+
+    directory: str
+    capacity: int
+    segment_bytes: int = 0  # 0: capacity / 32, within [16 MiB, 1 GiB]
+    write_queue: int = 256 << 20
+    sync: bool = True
+    read_threads: int = 4
+    read_timeout: float = 2.0  # seconds a GET waits for the disk before it answers a miss
+
+    def __post_init__(self) -> None:
+        if not self.directory:
+            raise ValueError("--disk-dir must name a directory")
+        if self.capacity < 16 << 20:
+            raise ValueError("--disk-capacity must be at least 16MiB, e.g. --disk-capacity 100GiB")
+
+    @property
+    def segment_size(self) -> int:
+        return self.segment_bytes or min(1 << 30, max(16 << 20, self.capacity // 32))
+
+
+@dataclass(slots=True)
+class _Write:
+    """A chunk queued for the disk."""
+
+    key: bytes
+    meta: ChunkMeta
+    buf: object
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
+class ReadResult:
+    """A chunk read back whole and checked (``meta``, ``buf``), or why not (``missing``)."""
+
+    meta: ChunkMeta | None = None
+    buf: object = None
+    missing: str = ""  # "gone" (evicted or deleted meanwhile), "corrupt", "error", "timeout"
+
+
+class DiskTier:
+    """One node's disk tier (see the module docstring).  ``take`` allocates payload buffers;
+    ``on_evicted`` hears, on the writer thread, each evicted chunk's key and its vLLM blocks."""
+
+    def __init__(self, config: DiskConfig, identity: DiskIdentity, take: Callable[[int], object],
+                 on_evicted: Callable[[bytes, ChunkBlocks | None], None] | None = None) -> None:
+        self.config = config
+        self.directory = config.directory
+        self.identity = identity
+        self._take = take
+        self.on_evicted = on_evicted
+        self.index = DiskIndex()
+        self.report = RebuildReport()
+        self._lock_fd = -1
+        self._queue: deque[_Write | Deleted | Flushed] = deque()
+        self._queued_bytes = 0
+        self._pending: dict[bytes, _Write] = {}  # key -> its queued write (loop thread and writer, under lock)
+        self._cond = threading.Condition(self.index.lock)
+        self._closing = False
+        self._writer: threading.Thread | None = None
+        self._readers: ThreadPoolExecutor | None = None
+        self._segment: Segment | None = None
+        self._written: list[tuple[_Write, Location]] = []  # in the open segment, not committed yet
+        self._entries: list[bytes] = []  # journal entries not appended yet
+        self._data_fd = self._journal_fd = -1
+        self._next_number = 1
+        self._journal_synced = time.monotonic()
+        self._stall_until = 0.0
+        self.counts = dict.fromkeys(("written", "written_bytes", "write_skipped", "too_large", "full",
+                                     "write_errors", "reads", "read_bytes", "read_errors", "corrupt", "evicted",
+                                     "evicted_segments"), 0)
+
+    # ---- start and stop (the node's main thread) ------------------------------------------------
+
+    def open(self) -> RebuildReport:
+        """Lock and claim the directory, rebuild the index from it and start the threads."""
+        self._lock_fd = lock_directory(self.directory)
+        try:
+            self.report.cleared = claim_directory(self.directory, self.identity)
+            self._next_number = rebuild(self.directory, self.index, self.report)
+            self._open_segment()
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise DiskError(f"cannot use --disk-dir {self.directory}: {exc}") from None
+        dropped = {k: v for k, v in self.report.dropped.items() if v}
+        logger.info("disk %s: index rebuilt in %.3f s: %d chunks (%d bytes) in %d segments%s", self.directory,
+                    self.report.seconds, self.report.chunks, self.report.bytes, self.report.segments,
+                    f"; dropped {dropped}" if dropped else "")
+        self._writer = threading.Thread(target=self._write_loop, name="kvring-disk-writer", daemon=True)
+        self._writer.start()
+        self._readers = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="kvring-disk-read")
+        return self.report
+
+    def close(self) -> None:
+        """Write what is queued (for up to ``CLOSE_TIMEOUT`` seconds), sync, and let go."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(CLOSE_TIMEOUT)
+            if self._writer.is_alive():
+                logger.warning("disk %s: %d queued chunks not written at stop (the disk did not take them in "
+                               "%.0f s)", self.directory, len(self._queue), CLOSE_TIMEOUT)
+        if self._readers is not None:
+            self._readers.shutdown(wait=False, cancel_futures=True)
+        if not (self._writer and self._writer.is_alive()):
+            self._close_segment()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    # ---- the data loop's side: nothing here waits on the disk ----------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.index.entries or key in self._pending
+
+    def __len__(self) -> int:
+        return len(self.index.entries)
+
+    def holds(self, key: bytes) -> bool:
+        """On disk now (not only queued)."""
+        return key in self.index.entries
+
+    def write(self, key: bytes, meta: ChunkMeta, buf) -> bool:
+        """Queue a chunk for the disk; False if it is there already or the queue is full."""
+        nbytes = meta.nbytes
+        with self._cond:
+            if key in self.index.entries or key in self._pending or self._closing:
+                return False
+            if self._queued_bytes + nbytes > self.config.write_queue:
+                self.counts["write_skipped"] += 1
+                return False
+            write = _Write(key, meta, buf)
+            self._pending[key] = write
+            self._queue.append(write)
+            self._queued_bytes += nbytes
+            self._cond.notify()
+        return True
+
+    def delete(self, key: bytes) -> bool:
+        with self._cond:
+            write = self._pending.pop(key, None)
+            if write is not None:
+                write.cancelled = True
+            if self.index.remove(key) is None:
+                return write is not None
+            self._queue.append(Deleted(key))
+            self._cond.notify()
+        return True
+
+    def delete_namespace(self, namespace: str) -> list[bytes]:
+        """Drop every chunk of ``namespace``; returns their keys."""
+        with self._cond:
+            cancelled = [w for w in self._pending.values() if w.meta.namespace == namespace]
+            for write in cancelled:
+                write.cancelled = True
+                del self._pending[write.key]
+            removed = self.index.remove_namespace(namespace)
+            self._queue.append(Flushed(namespace))
+            self._cond.notify()
+        return removed + [write.key for write in cancelled]
+
+    def keys_after(self, after: bytes, limit: int) -> list[bytes]:
+        with self.index.lock:
+            keys = [key for key in self.index.entries if key > after]
+        return heapq.nsmallest(limit, keys)
+
+    def read(self, key: bytes, done: Callable[[ReadResult], None]) -> None:
+        """Read ``key``'s chunk on a reader thread and call ``done`` there with the result."""
+        with self.index.lock:
+            location = self.index.entries.get(key)
+        if location is None or self._readers is None:
+            done(ReadResult(missing="gone"))
+            return
+        try:
+            self._readers.submit(self._read, key, location, done)
+        except RuntimeError:  # shutting down
+            done(ReadResult(missing="gone"))
+
+    def stall(self, seconds: float) -> None:
+        """Fault injection: every disk operation waits until ``seconds`` from now first."""
+        self._stall_until = time.monotonic() + seconds
+
+    def stats(self) -> dict:
+        return {
+            "directory": self.directory,
+            "capacity": self.config.capacity,
+            "used": self.index.bytes,
+            "chunks": len(self.index.entries),
+            "segments": len(self.index.segments),
+            "queued": len(self._pending),
+            "queued_bytes": self._queued_bytes,
+            "write_queue": self.config.write_queue,
+            "stalled": time.monotonic() < self._stall_until,
+            **self.counts,
+            "rebuild": self.report.as_dict(),
+        }
+
+    # ---- reads (reader threads) ---------------------------------------------------------------
+
+    def _read(self, key: bytes, location: Location, done: Callable[[ReadResult], None]) -> None:
+        self._wait_if_stalled()
+        path = os.path.join(self.directory, segment_name(location.segment, DATA_SUFFIX))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            done(ReadResult(missing="gone"))  # its segment was evicted since
+            return
+        except OSError as exc:
+            self._read_failed(key, location, exc)
+            done(ReadResult(missing="error"))
+            return
+        try:
+            head = os.pread(fd, min(location.length, HEAD_READ), location.offset)
+            meta, start = parse_head(head, key)
+            if start + meta.nbytes != location.length:
+                raise BadRecord("record length does not match the journal")
+            buf = self._take(meta.nbytes)
+            view = memoryview(buf).cast("B")
+            have = min(len(head) - start, meta.nbytes)
+            view[:have] = head[start:start + have]
+            while have < meta.nbytes:
+                n = os.preadv(fd, [view[have:]], location.offset + start + have)
+                if n == 0:
+                    raise BadRecord("record cut short by the end of its file")
+                have += n
+            check_payload(meta, buf)
+        except BadRecord as exc:
+            self._drop_bad(key, location, str(exc))
+            done(ReadResult(missing="corrupt"))
+            return
+        except OSError as exc:
+            self._read_failed(key, location, exc)
+            done(ReadResult(missing="error"))
+            return
+        finally:
+            os.close(fd)
+        with self.index.lock:
+            self.counts["reads"] += 1
+            self.counts["read_bytes"] += meta.nbytes
+        done(ReadResult(meta, buf))
+
+    def _drop_bad(self, key: bytes, location: Location, why: str) -> None:
+        with self._cond:
+            self.counts["corrupt"] += 1
+            if self.index.entries.get(key) == location:
+                self.index.remove(key)
+                self._queue.append(Deleted(key))
+                self._cond.notify()
+        logger.warning("disk %s: dropped a bad record of key %s in segment %d: %s", self.directory, key.hex()[:32],
+                       location.segment, why)
+
+    def _read_failed(self, key: bytes, location: Location, exc: OSError) -> None:
+        with self.index.lock:
+            self.counts["read_errors"] += 1
+        logger.warning("disk %s: reading key %s from segment %d failed: %s", self.directory, key.hex()[:32],
+                       location.segment, exc)
+
+    # ---- writes (the writer thread) -----------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait(JOURNAL_SYNC_SECONDS)
+                    if not self._queue:
+                        self._sync_journal_if_due()
+                if not self._queue and self._closing:
+                    return
+                batch, size = [], 0
+                while self._queue and len(batch) < BATCH_RECORDS and size < BATCH_BYTES:
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    if type(item) is _Write:
+                        size += item.meta.nbytes
+            try:
+                self._write_batch(batch)
+            except Exception:  # a bug must not stop the tier for good: the batch is lost, counted
+                logger.exception("disk %s: writing a batch failed", self.directory)
+                with self._cond:
+                    self.counts["write_errors"] += 1
+            finally:
+                with self._cond:
+                    for item in batch:
+                        if type(item) is _Write:
+                            self._queued_bytes -= item.meta.nbytes
+                            if self._pending.get(item.key) is item:
+                                del self._pending[item.key]
+
+    def _write_batch(self, batch: list) -> None:
+        self._wait_if_stalled()
+        for item in batch:
+            if type(item) is not _Write:
+                self._entries.append(encode_entry(item))
+            elif not item.cancelled:
+                location = self._append(item)
+                if location is not None:
+                    self._written.append((item, location))
+        self._commit()
+        self._sync_journal_if_due()
+
+    def _commit(self) -> None:
+        """Make the records written to the open segment since the last commit durable (sync),
+        visible (index) and journaled, with the tombstones queued between them."""
+        written, entries = self._written, self._entries
+        self._written, self._entries = [], []
+        if written and self.config.sync:
+            os.fdatasync(self._data_fd)
+        with self._cond:
+            for item, location in written:
+                if item.cancelled:  # deleted while it was being written
+                    continue
+                self.index.add(item.key, location)
+                entries.append(encode_entry(Stored(item.key, location.offset, location.length,
+                                                   item.meta.namespace, blocks_raw(item.meta))))
+                self.counts["written"] += 1
+                self.counts["written_bytes"] += item.meta.nbytes
+        if entries:
+            self._append_journal(b"".join(entries))
+        if written and self.config.sync:
+            os.posix_fadvise(self._data_fd, written[0][1].offset, 0, os.POSIX_FADV_DONTNEED)
+
+    def _append(self, item: _Write) -> Location | None:
+        """Write one record at the end of the open segment (making room first); None if it could
+        not be written (counted)."""
+        head = record_head(item.key, item.meta)
+        length = len(head) + item.meta.nbytes
+        if length > self.config.capacity // 2:
+            with self._cond:
+                self.counts["too_large"] += 1
+            return None
+        self._make_room(length)
+        segment = self._segment
+        offset = segment.size
+        try:
+            _write_all(self._data_fd, [head, memoryview(item.buf).cast("B")], offset)
+        except OSError as exc:
+            os.ftruncate(self._data_fd, offset)  # no half record left behind
+            with self._cond:
+                if exc.errno in _OUT_OF_SPACE:
+                    self.counts["full"] += 1
+                else:
+                    self.counts["write_errors"] += 1
+            if exc.errno in _OUT_OF_SPACE:
+                logger.warning("disk %s is full (%s): a chunk stays in memory only; evicting the oldest segment",
+                               self.directory, exc.strerror)
+                self._evict_oldest()
+            else:
+                logger.warning("disk %s: writing a chunk failed: %s", self.directory, exc)
+            return None
+        with self._cond:
+            segment.size += length
+            self.index.bytes += length
+        return Location(segment.number, offset, length, item.meta.namespace)
+
+    def _append_journal(self, data: bytes) -> None:
+        try:
+            _write_all(self._journal_fd, [data], self._segment.journal)
+        except OSError as exc:
+            os.ftruncate(self._journal_fd, self._segment.journal)
+            with self._cond:
+                self.counts["full" if exc.errno in _OUT_OF_SPACE else "write_errors"] += 1
+            logger.warning("disk %s: journal append failed (%s): these chunks are served until a restart, "
+                           "not after", self.directory, exc.strerror)
+            return
+        with self._cond:
+            self._segment.journal += len(data)
+            self.index.bytes += len(data)
+
+    def _sync_journal_if_due(self) -> None:
+        now = time.monotonic()
+        if self.config.sync and self._journal_fd >= 0 and now - self._journal_synced >= JOURNAL_SYNC_SECONDS:
+            self._journal_synced = now
+            os.fdatasync(self._journal_fd)
+
+    def _make_room(self, length: int) -> None:
+        if self._segment.size and self._segment.size + length > self.config.segment_size:
+            self._commit()  # a segment's journal names only its own records
+            self._close_segment()
+            self._open_segment()
+        while self.index.bytes + length > self.config.capacity and len(self.index.segments) > 1:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        number = next(iter(self.index.segments))
+        if number == self._segment.number:
+            return
+        with self._cond:
+            keys = self.index.drop_segment(number)
+            self.counts["evicted"] += len(keys)
+            self.counts["evicted_segments"] += 1
+        blocks = self._blocks_of(number, keys) if self.on_evicted is not None and keys else {}
+        for suffix in (DATA_SUFFIX, JOURNAL_SUFFIX):
+            try:
+                os.unlink(os.path.join(self.directory, segment_name(number, suffix)))
+            except FileNotFoundError:
+                pass
+        if self.on_evicted is not None:
+            for key in keys:
+                self.on_evicted(key, blocks.get(key))
+
+    def _blocks_of(self, number: int, keys: list[bytes]) -> dict[bytes, ChunkBlocks | None]:
+        """The vLLM blocks of ``keys`` as segment ``number``'s journal records them."""
+        wanted = set(keys)
+        try:
+            with open(os.path.join(self.directory, segment_name(number, JOURNAL_SUFFIX)), "rb") as f:
+                entries, _ = decode_entries(f.read())
+        except OSError:
+            return {}
+        out = {}
+        for entry in entries:
+            if type(entry) is Stored and entry.key in wanted and entry.blocks is not None:
+                try:
+                    out[entry.key] = msgspec.msgpack.decode(entry.blocks, type=ChunkBlocks)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pass
+        return out
+
+    def _open_segment(self) -> None:
+        number = self._next_number
+        self._next_number += 1
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        self._data_fd = os.open(os.path.join(self.directory, segment_name(number, DATA_SUFFIX)), flags, 0o600)
+        self._journal_fd = os.open(os.path.join(self.directory, segment_name(number, JOURNAL_SUFFIX)), flags, 0o600)
+        self._segment = Segment(number)
+        with self._cond:
+            self.index.segments[number] = self._segment
+
+    def _close_segment(self) -> None:
+        for fd in (self._data_fd, self._journal_fd):
+            if fd >= 0:
+                try:
+                    if self.config.sync:
+                        os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+        self._data_fd = self._journal_fd = -1
+
+    def _wait_if_stalled(self) -> None:
+        while (left := self._stall_until - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5))
+
+
+def _write_all(fd: int, parts: list, offset: int) -> None:
+    """``pwritev`` every byte of ``parts`` at ``offset`` (short writes resumed)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n == 0:
+            raise OSError(errno.EIO, "the disk took no bytes")
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]

@@ -1,0 +1,225 @@
+"""What a node holds: its memory store and, with ``--disk-dir``, its disk tier, as one set.
+
+The data protocol sees one set of chunks: a LOOKUP finds a chunk in either tier, a GET serves
+it from either, a DELETE or flush takes it from both, a key listing (repair, handoff) pages
+through both.  Memory is the hot tier over the disk:
+
+- A PUT stores the chunk in memory and queues it for the disk (``DiskTier.write``); a chunk
+  evicted from memory stays on disk.
+- A GET of a chunk only on disk reads it on the tier's reader threads, promotes it into memory
+  (it is in use) and answers once every key asked for is read, or after ``read_timeout``
+  seconds with what came (the rest as misses): a stalled disk delays only the GETs that need
+  it, never the data loop.  Reads of one key already under way are shared.
+- A LOOKUP that leases chunks found only on disk (a worker is about to load them) starts reading
+  them into memory at once, so the GET that follows finds them there.  At most
+  ``MAX_PREFETCHES`` such reads are under way; past that a GET reads for itself.
+
+KV events (``events.py``) follow what the node holds, not which tier: a chunk moving between
+memory and disk is not announced; one that leaves both is.  A node that restarts with chunks on
+disk announces them again after its ``AllBlocksCleared`` (from a thread, at the publisher's pace).
+
+Threading contract: everything here runs on the data loop, except ``announce_disk`` (its own
+thread) and the tier's callbacks, which ``Server.post`` back to the loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from kvring.common.chunk import ChunkBlocks, ChunkMeta
+
+from .disk.records import JOURNAL_SUFFIX, Stored, decode_entries, segment_name
+from .disk.tier import DiskTier, ReadResult
+from .events import NodeEvents
+from .server import Server
+from .store import ChunkStore, Entry, StoreFull
+
+logger = logging.getLogger(__name__)
+
+MAX_PREFETCHES = 256
+
+
+class Holdings:
+    def __init__(self, store: ChunkStore, disk: DiskTier | None, server: Server,
+                 events: NodeEvents | None = None) -> None:
+        self.store = store
+        self.disk = disk
+        self.server = server
+        self.events = events
+        self._reading: dict[bytes, list[Callable[[Entry | None], None]]] = {}
+        self.prefetched = 0
+        self.read_timeouts = 0
+        if events is not None:
+            store.watch(_HeldEvents(self))
+        if disk is not None:
+            disk.on_evicted = lambda key, blocks: server.post(lambda: self._disk_evicted(key, blocks))
+
+    # ---- presence --------------------------------------------------------------------------
+
+    def lookup(self, keys: list[bytes], lease_ms: int) -> list[bool]:
+        present = self.store.lookup(keys, lease_ms)
+        disk = self.disk
+        if disk is None or all(present):
+            return present
+        for i, key in enumerate(keys):
+            if not present[i] and key in disk:
+                present[i] = True
+                if lease_ms > 0 and disk.holds(key) and len(self._reading) < MAX_PREFETCHES:
+                    self.prefetched += 1
+                    self._read(key, lambda _entry: None)
+        return present
+
+    def __contains__(self, key: bytes) -> bool:
+        """Held in either tier (not a use, nothing leased)."""
+        return key in self.store or (self.disk is not None and key in self.disk)
+
+    def __len__(self) -> int:
+        """Chunks held in either tier (counted once)."""
+        if self.disk is None:
+            return len(self.store)
+        disk = self.disk
+        return len(disk) + sum(1 for key in self.store.keys() if not disk.holds(key))
+
+    def keys_after(self, after: bytes, limit: int) -> list[bytes]:
+        keys = self.store.keys_after(after, limit)
+        if self.disk is None:
+            return keys
+        return heapq.nsmallest(limit, set(keys).union(self.disk.keys_after(after, limit)))
+
+    # ---- changes ---------------------------------------------------------------------------
+
+    def put(self, key: bytes, meta: ChunkMeta, buf) -> bool:
+        """Store a chunk (``StoreFull`` as ``ChunkStore.put``); False if memory had it already."""
+        stored = self.store.put(key, meta, buf)
+        if stored and self.disk is not None:
+            self.disk.write(key, meta, buf)
+        return stored
+
+    def delete(self, key: bytes) -> bool:
+        on_disk = self.disk is not None and self.disk.delete(key)
+        return self.store.delete(key) or on_disk
+
+    def delete_namespace(self, namespace: str) -> int:
+        if not namespace:
+            raise ValueError("refusing to flush the empty namespace (it would mean chunks that have none)")
+        if self.disk is None:
+            return self.store.delete_namespace(namespace)
+        only_on_disk = sum(1 for key in self.disk.delete_namespace(namespace) if key not in self.store)
+        return self.store.delete_namespace(namespace) + only_on_disk
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def fetch(self, keys: list[bytes], done: Callable[[list[Entry | None]], None], timeout: float) -> None:
+        """The entries of ``keys`` (None: not held), reading from the disk what is only there;
+        ``done`` runs on the loop, at once if nothing needs the disk."""
+        entries = [self.store.get(key) for key in keys]
+        disk = self.disk
+        waiting = [i for i, e in enumerate(entries) if e is None and disk is not None and disk.holds(keys[i])]
+        if not waiting:
+            done(entries)
+            return
+        left = set(waiting)
+        answered = False
+
+        def finish() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                if left:
+                    self.read_timeouts += 1
+                done(entries)
+
+        def arrived(i: int, entry: Entry | None) -> None:
+            if answered:
+                return
+            entries[i] = entry
+            left.discard(i)
+            if not left:
+                finish()
+
+        for i in waiting:
+            self._read(keys[i], lambda entry, i=i: arrived(i, entry))
+        if left:
+            self.server.later(timeout, finish)
+
+    def _read(self, key: bytes, then: Callable[[Entry | None], None]) -> None:
+        waiters = self._reading.get(key)
+        if waiters is not None:
+            waiters.append(then)
+            return
+        self._reading[key] = [then]
+        self.disk.read(key, lambda result: self.server.post(lambda: self._read_done(key, result)))
+
+    def _read_done(self, key: bytes, result: ReadResult) -> None:
+        entry = None
+        if result.meta is not None and self.disk.holds(key):  # not deleted while it was read
+            entry = self.store.get(key)
+            if entry is None:
+                try:
+                    self.store.put(key, result.meta, result.buf)
+                    entry = self.store.peek(key)
+                except StoreFull:
+                    entry = Entry(result.meta, result.buf)
+        for then in self._reading.pop(key, ()):
+            then(entry)
+
+    # ---- KV events -------------------------------------------------------------------------
+
+    def _disk_evicted(self, key: bytes, blocks: ChunkBlocks | None) -> None:
+        if self.events is not None and blocks is not None and key not in self.store and key not in self.disk:
+            self.events.blocks_changed(False, blocks)
+
+    def announce_disk(self) -> None:
+        """Announce the chunks the disk kept over a restart (a thread of its own)."""
+        if self.events is None or self.disk is None or not len(self.disk):
+            return
+        threading.Thread(target=self._announce, name="kvring-disk-announce", daemon=True).start()
+
+    def _announce(self) -> None:
+        disk, publisher = self.disk, self.events.publisher
+        announced = 0
+        for number in list(disk.index.segments):
+            try:
+                with open(os.path.join(disk.directory, segment_name(number, JOURNAL_SUFFIX)), "rb") as f:
+                    entries, _ = decode_entries(f.read())
+            except OSError:
+                continue
+            for entry in entries:
+                if type(entry) is not Stored or entry.blocks is None:
+                    continue
+                location = disk.index.entries.get(entry.key)
+                if location is None or location.segment != number or location.offset != entry.offset:
+                    continue
+                while publisher.backlog > publisher.settings.max_queued // 2:
+                    time.sleep(0.01)
+                try:
+                    self.events.blocks_changed(True, msgspec.msgpack.decode(entry.blocks, type=ChunkBlocks))
+                    announced += 1
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+        logger.info("disk %s: announced %d chunks kept over the restart", disk.directory, announced)
+
+
+class _HeldEvents:
+    """The memory store's watcher: passes on what changes the node's holdings, not what moves
+    between its tiers."""
+
+    def __init__(self, holdings: Holdings) -> None:
+        self.holdings = holdings
+
+    def stored(self, key: bytes, meta: ChunkMeta) -> None:
+        disk = self.holdings.disk
+        if disk is None or key not in disk:  # else: read back from the disk, held all along
+            self.holdings.events.stored(key, meta)
+
+    def removed(self, key: bytes, meta: ChunkMeta) -> None:
+        disk = self.holdings.disk
+        if disk is None or key not in disk:  # else: it stays on disk
+            self.holdings.events.removed(key, meta)
