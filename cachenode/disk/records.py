@@ -53,7 +53,7 @@ class Stored(msgspec.Struct, array_like=True, tag=0):
     offset: int  # of the record in the data file
     length: int  # of the whole record
     namespace: str = ""
-    blocks: msgspec.Raw | None = None  # the meta's ChunkBlocks as msgpack, for the KV events
+    blocks: bytes | None = None  # the meta's ChunkBlocks as msgpack, for the KV events
 
 
 class Deleted(msgspec.Struct, array_like=True, tag=1):
@@ -137,8 +137,8 @@ def encode_entry(entry: JournalEntry) -> bytes:
     return ENTRY_HEAD.pack(len(body), xxhash.xxh3_64_intdigest(body)) + body
 
 
-def blocks_raw(meta: ChunkMeta) -> msgspec.Raw | None:
-    return None if meta.blocks is None else msgspec.Raw(_encoder.encode(meta.blocks))
+def blocks_bytes(meta: ChunkMeta) -> bytes | None:
+    return None if meta.blocks is None else _encoder.encode(meta.blocks)
 
 
 def decode_entries(data: bytes) -> tuple[list[JournalEntry], int]:

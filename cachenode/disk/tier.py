@@ -51,7 +51,7 @@ from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
 from .identity import DiskError, DiskIdentity, claim_directory, lock_directory
 from .index import DiskIndex, Location, RebuildReport, Segment, rebuild
-from .records import (DATA_SUFFIX, JOURNAL_SUFFIX, BadRecord, Deleted, Flushed, Stored, blocks_raw, check_payload,
+from .records import (DATA_SUFFIX, JOURNAL_SUFFIX, BadRecord, Deleted, Flushed, Stored, blocks_bytes, check_payload,
                       decode_entries, encode_entry, parse_head, record_head, segment_name)
 
 logger = logging.getLogger(__name__)
@@ -381,7 +381,7 @@ class DiskTier:
                     continue
                 self.index.add(item.key, location)
                 entries.append(encode_entry(Stored(item.key, location.offset, location.length,
-                                                   item.meta.namespace, blocks_raw(item.meta))))
+                                                   item.meta.namespace, blocks_bytes(item.meta))))
                 self.counts["written"] += 1
                 self.counts["written_bytes"] += item.meta.nbytes
         if entries:

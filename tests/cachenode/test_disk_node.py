@@ -1,0 +1,255 @@
+"""The disk tier with real node processes over loopback, real etcd and real files: a cache larger
+than memory, restarts that keep the cache (a rolling restart under a reader; SIGKILL in a burst
+of PUTs), repair that counts what a restarted node kept, a full filesystem and a stalled disk."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from polling import wait_for
+
+from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkItem
+from kvring.common.contract import Contract
+from kvring.local.cluster import LocalCluster
+
+CHUNK = 256 << 10
+
+
+def _payload(i: int, size: int = CHUNK) -> bytes:
+    seed = hashlib.blake2b(i.to_bytes(4, "little"), digest_size=8).digest()
+    return np.random.default_rng(int.from_bytes(seed, "little")).bytes(size)
+
+
+def _key(i: int) -> bytes:
+    return hashlib.blake2b(b"disk-%d" % i, digest_size=16).digest()
+
+
+def _item(i: int, size: int = CHUNK) -> ChunkItem:
+    return ChunkItem.of(_key(i), _payload(i, size), (4, size // 4), "uint8", 16)
+
+
+def _served(client: ClusterClient, indices, size: int = CHUNK) -> tuple[list[int], list[int]]:
+    """Which chunks come back byte-identical, and which come back wrong (must be none)."""
+    indices = list(indices)
+    chunks = client.get([_key(i) for i in indices])
+    good = [i for i, c in zip(indices, chunks) if c is not None and bytes(c.data) == _payload(i, size)]
+    wrong = [i for i, c in zip(indices, chunks) if c is not None and bytes(c.data) != _payload(i, size)]
+    return good, wrong
+
+
+def _disk(client: ClusterClient, node: str) -> dict:
+    return client.stats()[node]["disk"]
+
+
+def _settled(client: ClusterClient, nodes) -> bool:
+    stats = client.stats()
+    return all(stats[n]["disk"]["queued"] == 0 for n in nodes)
+
+
+def test_a_cache_four_times_memory_is_served_whole_from_disk(cluster_factory):
+    cluster = cluster_factory(nodes=1, memory=16 << 20, disk=256 << 20)
+    n = 256  # 64 MiB of chunks
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(1)
+        for start in range(0, n, 32):
+            assert client.put_many([_item(i) for i in range(start, start + 32)]) == [1] * 32
+        wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
+        stats = client.stats()["node-0"]
+        assert stats["evictions"] > n // 2 and stats["disk"]["chunks"] == n
+        assert all(client.lookup([_key(i) for i in range(n)]))  # present: in memory or on disk
+        good, wrong = _served(client, range(n))
+        assert wrong == [] and len(good) == n
+        disk = _disk(client, "node-0")
+        assert disk["reads"] >= n // 2 and disk["corrupt"] == 0
+        assert sorted(client.list_keys("node-0")) == sorted(_key(i) for i in range(n))  # repair pages both tiers
+        assert client.delete([_key(0)]) == 1 and not client.lookup([_key(0)])[0]
+
+
+@dataclass
+class Reader:
+    """Reads random chunks while nodes restart, checking every byte."""
+
+    client: ClusterClient
+    count: int
+    reads: int = 0
+    misses: int = 0
+    wrong: list[int] = field(default_factory=list)
+    errors: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        rng = random.Random(3)
+        while not self.stop.is_set():
+            picks = rng.sample(range(self.count), 8)
+            try:
+                chunks = self.client.get([_key(i) for i in picks])
+            except Exception:  # a read error is a degraded answer, not wrong KV
+                self.errors += 1
+                time.sleep(0.05)
+                continue
+            for i, chunk in zip(picks, chunks):
+                self.reads += 1
+                if chunk is None:
+                    self.misses += 1
+                elif bytes(chunk.data) != _payload(i):
+                    self.wrong.append(i)
+
+
+def test_every_node_restarted_in_turn_under_a_reader_keeps_its_chunks(cluster_factory):
+    """One copy per chunk, three nodes restarted one after another: without a disk the roll
+    loses every chunk (each node comes back empty); with one, at least 99 % (in practice all)
+    are served byte-identical after it."""
+    n = 300
+    cluster = cluster_factory(nodes=3, memory=32 << 20, disk=256 << 20, lease_ttl=3)
+    node_ids = [node.node_id for node in cluster.nodes]
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=2.0, failure_backoff=0.5) as client, \
+            ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=2.0, failure_backoff=0.5) as reading:
+        assert client.wait_for_nodes(3)
+        for start in range(0, n, 50):
+            assert client.put_many([_item(i) for i in range(start, start + 50)]) == [1] * 50
+        wait_for(lambda: _settled(client, node_ids), 20, "the disk writes")
+        reader = Reader(reading, n)
+        thread = threading.Thread(target=reader.run, daemon=True)
+        thread.start()
+        try:
+            for index in range(3):
+                old_pid = cluster.nodes[index].pid
+                new = cluster.restart(index)  # SIGTERM, then the same id and directory
+                assert new.pid != old_pid
+                assert client.wait_for_nodes(3, timeout=20, exact=True)
+                rebuild = client.stats()[new.node_id]["disk"]["rebuild"]
+                assert rebuild["chunks"] > 0 and not any(rebuild["dropped"].values())
+        finally:
+            reader.stop.set()
+            thread.join(10)
+        good, wrong = _served(client, range(n))
+        assert wrong == [] and reader.wrong == []
+        assert len(good) >= 0.99 * n, f"{len(good)} of {n} chunks readable after the roll"
+        assert reader.reads > 0
+
+
+def test_a_node_sigkilled_in_a_burst_of_puts_serves_every_chunk_stored_before_it(cluster_factory):
+    before, burst = 120, 600
+    cluster = cluster_factory(nodes=1, memory=256 << 20, disk=512 << 20, lease_ttl=3)
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=2.0, failure_backoff=0.5) as client:
+        assert client.wait_for_nodes(1)
+        for start in range(0, before, 40):
+            assert client.put_many([_item(i) for i in range(start, start + 40)]) == [1] * 40
+        # Stored before the burst: on disk once the node's write queue has taken them (/stats).
+        wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
+
+        acked: list[int] = []
+
+        def put_burst() -> None:
+            for i in range(before, before + burst):
+                try:
+                    if client.put_many([_item(i)]) == [1]:
+                        acked.append(i)
+                except Exception:
+                    return
+
+        thread = threading.Thread(target=put_burst, daemon=True)
+        thread.start()
+        wait_for(lambda: len(acked) >= 100, 30, "100 PUTs of the burst")
+        cluster.nodes[0].kill()  # SIGKILL in the middle of the burst
+        thread.join(30)
+        cluster.restart_empty(0)
+        assert client.wait_for_nodes(1, timeout=20)
+        good, wrong = _served(client, range(before))
+        assert wrong == [] and good == list(range(before))
+        kept, wrong_burst = _served(client, range(before, before + burst))
+        assert wrong_burst == []  # only whole, correct chunks
+        assert set(kept) <= set(range(before, before + burst)) and len(kept) >= 1
+        dropped = _disk(client, "node-0")["rebuild"]["dropped"]
+        assert dropped["entries_past_end"] == 0  # a journal entry never names bytes not on disk
+
+
+def test_repair_counts_the_copies_a_restarted_node_kept(cluster_factory):
+    """Two copies per chunk: a node SIGKILLed and restarted with its disk holds its copies again at
+    once, so the survivors' repair passes find nothing missing and copy nothing to it."""
+    n = 120
+    cluster = cluster_factory(nodes=3, memory=64 << 20, disk=256 << 20, lease_ttl=3,
+                              contract=Contract(replication=2))
+    node_ids = [node.node_id for node in cluster.nodes]
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=2.0, failure_backoff=0.5) as client:
+        assert client.wait_for_nodes(3)
+        for start in range(0, n, 40):
+            assert client.put_many([_item(i, 64 << 10) for i in range(start, start + 40)]) == [2] * 40
+        wait_for(lambda: _settled(client, node_ids), 20, "the disk writes")
+        stats = client.stats()
+        passes = {node: stats[node]["repair"]["passes"] for node in node_ids[1:]}
+        copied = sum(stats[node]["repair"]["copied_total"] for node in node_ids)
+        cluster.restart_empty(0)
+        assert client.wait_for_nodes(3, timeout=20, exact=True)
+        # Each survivor runs a pass for the ring change (node-0's new incarnation).
+        wait_for(lambda: all((st := client.stats())[node]["repair"]["passes"] > passes[node]
+                             and not st[node]["repair"]["active"] for node in node_ids[1:]), 30,
+                 "the survivors' repair passes after the restart")
+        stats = client.stats()
+        assert sum(stats[node]["repair"]["copied_total"] for node in node_ids) == copied
+        assert sum(stats[node]["repair"]["missing"] for node in node_ids[1:]) == 0
+        assert all(c == 2 for c in client.copies(node_ids).values()) and len(client.copies(node_ids)) == n
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a real full filesystem needs a small tmpfs mounted, which needs root")
+def test_a_full_filesystem_leaves_the_node_serving_from_memory(etcd_server):
+    mount = tempfile.mkdtemp(prefix="kvring-full-")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", mount], check=True)
+    cluster = LocalCluster(nodes=1, memory=128 << 20, etcd=etcd_server.endpoint, cluster="disk-full",
+                           disk=1 << 30)
+    cluster.nodes[0].disk_dir = os.path.join(mount, "node-0")  # a filesystem far smaller than --disk-capacity
+    try:
+        cluster.start()
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            assert client.wait_for_nodes(1)
+            n = 96  # 24 MiB: three times the filesystem
+            for start in range(0, n, 16):
+                assert client.put_many([_item(i) for i in range(start, start + 16)]) == [1] * 16
+            wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
+            disk = _disk(client, "node-0")
+            assert disk["full"] > 0 and disk["written"] < n  # ENOSPC met, counted
+            good, wrong = _served(client, range(n))
+            assert wrong == [] and len(good) == n  # every chunk served, from memory
+            assert client.ping("node-0") < 1.0
+    finally:
+        cluster.close()
+        subprocess.run(["umount", mount], check=False)
+        os.rmdir(mount)
+
+
+def test_a_stalled_disk_never_stalls_the_data_loop_or_other_clients(cluster_factory):
+    cluster = cluster_factory(nodes=1, memory=16 << 20, disk=256 << 20, node_args=["--fault-injection"])
+    n = 128  # 32 MiB: the first chunks are on disk only
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=5.0) as client:
+        assert client.wait_for_nodes(1)
+        for start in range(0, n, 32):
+            assert client.put_many([_item(i) for i in range(start, start + 32)]) == [1] * 32
+        wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
+        request = urllib.request.Request(cluster.nodes[0].admin_addr + "/debug/disk-stall?seconds=4", method="POST",
+                                         headers=cluster.node_auth)
+        urllib.request.urlopen(request, timeout=5).close()
+        stalled = time.monotonic()
+        t0 = time.monotonic()
+        assert client.put_many([_item(n)]) == [1]  # a PUT: stored in memory, queued for the disk
+        good, _ = _served(client, [n - 1, n])  # chunks in memory
+        assert good == [n - 1, n]
+        assert client.ping("node-0") < 0.5
+        assert time.monotonic() - t0 < 1.5  # none of it waited on the disk
+        t0 = time.monotonic()
+        chunk = client.get([_key(0)])[0]  # on disk only: answered as a miss once the read times out
+        assert chunk is None and 1.5 < time.monotonic() - t0 < 3.5
+        assert _disk(client, "node-0")["read_timeouts"] >= 1
+        time.sleep(max(0.0, stalled + 4.5 - time.monotonic()))
+        good, wrong = _served(client, [0, 1, n])  # the disk is back: served, byte-identical
+        assert wrong == [] and good == [0, 1, n]

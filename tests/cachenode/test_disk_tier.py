@@ -1,0 +1,203 @@
+"""The disk tier on its own, over real files in a temporary directory: what it writes, what a
+restart rebuilds, and what a crash, a corrupt or foreign file, another node's directory, a full
+budget and a stalled disk do to it.  (With real node processes: ``test_disk_node.py``.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvring.cachenode.disk.identity import DiskIdentity, DiskInUse
+from kvring.cachenode.disk.records import DATA_SUFFIX, JOURNAL_SUFFIX, segment_name
+from kvring.cachenode.disk.tier import DiskConfig, DiskTier, ReadResult
+from kvring.common.chunk import ChunkBlocks, ChunkItem
+
+IDENTITY = DiskIdentity(cluster="c", node_id="node-0", contract='{"chunk_size": 256}')
+rng = np.random.default_rng(7)
+
+
+def _item(size: int = 64 << 10, namespace: str = "ns", blocks: bool = False) -> ChunkItem:
+    item = ChunkItem.of(os.urandom(16), rng.integers(0, 255, size, dtype=np.uint8), [4, size // 4], "uint8", 16,
+                        namespace)
+    if blocks:
+        item = item.with_blocks(ChunkBlocks.of([int.from_bytes(item.key[:8], "little")], None, list(range(16)), 16))
+    return item
+
+
+def _open(path, identity: DiskIdentity = IDENTITY, **kw) -> DiskTier:
+    config = DiskConfig(str(path), capacity=kw.pop("capacity", 256 << 20), **kw)
+    tier = DiskTier(config, identity, take=lambda n: np.empty(n, dtype=np.uint8))
+    tier.open()
+    return tier
+
+
+def _settle(tier: DiskTier, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while tier.stats()["queued"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not tier.stats()["queued"], "the writer did not empty its queue"
+
+
+def _read(tier: DiskTier, key: bytes) -> ReadResult:
+    done, out = threading.Event(), []
+    tier.read(key, lambda result: (out.append(result), done.set()))
+    assert done.wait(10)
+    return out[0]
+
+
+def _same(tier: DiskTier, item: ChunkItem) -> bool:
+    result = _read(tier, item.key)
+    return result.meta is not None and bytes(result.buf) == bytes(item.payload) and result.meta.checksums == \
+        item.meta.checksums
+
+
+def _write(tier: DiskTier, items: list[ChunkItem]) -> None:
+    for item in items:
+        assert tier.write(item.key, item.meta, item.payload)
+    _settle(tier)
+
+
+def test_chunks_come_back_after_a_restart_deletes_and_flushes_do_not(tmp_path):
+    items = [_item(namespace="a") for _ in range(10)] + [_item(namespace="b") for _ in range(10)]
+    tier = _open(tmp_path)
+    _write(tier, items)
+    assert not tier.write(items[0].key, items[0].meta, items[0].payload)  # already there
+    assert all(_same(tier, item) for item in items)
+    tier.close()
+
+    tier = _open(tmp_path)
+    report = tier.stats()["rebuild"]
+    assert report["chunks"] == 20 and report["bytes"] > 20 * (64 << 10) and not any(report["dropped"].values())
+    assert all(_same(tier, item) for item in items)
+    assert tier.delete(items[0].key) and not tier.delete(items[0].key)
+    assert sorted(tier.delete_namespace("b")) == sorted(item.key for item in items[10:])
+    assert _read(tier, items[0].key).missing == "gone"
+    tier.close()
+
+    tier = _open(tmp_path)  # the tombstones were journaled: nothing deleted comes back
+    assert len(tier) == 9 and all(item.key in tier for item in items[1:10])
+    assert not any(item.key in tier for item in items[10:]) and items[0].key not in tier
+    assert tier.keys_after(b"", 100) == sorted(item.key for item in items[1:10])
+    tier.close()
+
+
+def test_what_a_crash_leaves_half_written_is_cut_and_the_rest_served(tmp_path):
+    items = [_item() for _ in range(12)]
+    tier = _open(tmp_path)
+    _write(tier, items)
+    number = tier._segment.number
+    tier.close()
+    data = tmp_path / segment_name(number, DATA_SUFFIX)
+    journal = tmp_path / segment_name(number, JOURNAL_SUFFIX)
+    with open(data, "ab") as f:  # a record written, its journal entry not (killed between the two)
+        f.write(os.urandom(5000))
+    with open(journal, "ab") as f:  # an entry torn in the middle of its append
+        f.write(b"\x40\x00\x00\x00\x01\x02")
+    tier = _open(tmp_path)
+    dropped = tier.stats()["rebuild"]["dropped"]
+    assert dropped["unjournaled_bytes"] == 5000 and dropped["torn_journal_bytes"] == 6
+    assert all(_same(tier, item) for item in items)
+    tier.close()
+
+    # A data file cut short (a lost tail): the entries past its end are dropped, the rest served.
+    os.truncate(data, os.path.getsize(data) - 10)
+    tier = _open(tmp_path)
+    assert tier.stats()["rebuild"]["dropped"]["entries_past_end"] == 1 and len(tier) == 11
+    assert sum(_same(tier, item) for item in items) == 11
+    tier.close()
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_corrupt_record_is_counted_dropped_and_never_served(tmp_path, where):
+    items = [_item() for _ in range(3)]
+    tier = _open(tmp_path)
+    _write(tier, items)
+    location = tier.index.entries[items[1].key]
+    path = tmp_path / segment_name(location.segment, DATA_SUFFIX)
+    offset = location.offset + (location.length - 100 if where == "payload" else 30)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert _read(tier, items[1].key).missing == "corrupt"
+    assert tier.stats()["corrupt"] == 1 and items[1].key not in tier
+    assert _same(tier, items[0]) and _same(tier, items[2])
+    tier.close()
+    tier = _open(tmp_path)  # dropped for good: the drop was journaled
+    assert items[1].key not in tier and len(tier) == 2
+    tier.close()
+
+
+@pytest.mark.parametrize("other", [
+    DiskIdentity(cluster="c", node_id="node-1", contract=IDENTITY.contract),
+    DiskIdentity(cluster="other", node_id="node-0", contract=IDENTITY.contract),
+    DiskIdentity(cluster="c", node_id="node-0", contract='{"chunk_size": 128}'),
+], ids=["other-node", "other-cluster", "other-contract"])
+def test_a_directory_written_under_another_identity_is_cleared_never_served(tmp_path, other, caplog):
+    items = [_item() for _ in range(4)]
+    tier = _open(tmp_path, identity=other)
+    _write(tier, items)
+    tier.close()
+    (tmp_path / "notes.txt").write_text("someone else's file")
+    with caplog.at_level(logging.WARNING, logger="kvring.cachenode.disk.identity"):
+        tier = _open(tmp_path)
+    assert "written under another identity" in caplog.text and "none of them is served" in caplog.text
+    assert len(tier) == 0 and not any(item.key in tier for item in items)
+    assert tier.stats()["rebuild"]["cleared"].startswith("written under another identity")
+    assert (tmp_path / "notes.txt").read_text() == "someone else's file"  # not ours: left alone
+    assert "not kvring's (notes.txt)" in caplog.text
+    tier.close()
+
+
+def test_segments_without_an_identity_are_cleared_and_a_second_process_is_refused(tmp_path):
+    tier = _open(tmp_path)
+    _write(tier, [_item() for _ in range(2)])
+    with pytest.raises(DiskInUse, match="in use by another kvring node"):
+        _open(tmp_path)
+    tier.close()
+    os.unlink(tmp_path / "kvring-disk.json")
+    tier = _open(tmp_path)
+    assert len(tier) == 0 and tier.stats()["rebuild"]["cleared"] == "segment files without an identity file"
+    tier.close()
+
+
+def test_past_its_budget_the_oldest_segments_go_first_and_their_blocks_are_told(tmp_path):
+    evicted = []
+    tier = DiskTier(DiskConfig(str(tmp_path), capacity=64 << 20, segment_bytes=16 << 20), IDENTITY,
+                    take=lambda n: np.empty(n, dtype=np.uint8), on_evicted=lambda k, b: evicted.append((k, b)))
+    tier.open()
+    items = [_item(1 << 20, blocks=True) for _ in range(150)]
+    _write(tier, items)
+    stats = tier.stats()
+    assert stats["used"] <= 64 << 20 and stats["evicted_segments"] >= 5
+    held = [item.key in tier for item in items]
+    assert not held[0] and all(held[-40:])  # oldest gone, newest kept
+    assert held == sorted(held)  # first in, first out
+    assert {k for k, _ in evicted} == {item.key for item, h in zip(items, held) if not h}
+    assert all(b is not None and b.block_hashes == [int.from_bytes(k[:8], "little")] for k, b in evicted)
+    assert all(_same(tier, item) for item in items[-40:])
+    tier.close()
+
+
+def test_a_stalled_disk_bounds_its_queue_and_deletes_win_over_queued_writes(tmp_path):
+    tier = _open(tmp_path, write_queue=1 << 20)
+    tier.stall(1.0)
+    items = [_item(256 << 10) for _ in range(8)]
+    t0 = time.monotonic()
+    accepted = [tier.write(item.key, item.meta, item.payload) for item in items]
+    assert time.monotonic() - t0 < 0.5  # queueing never waits on the disk
+    assert accepted[:4] == [True] * 4 and not any(accepted[5:])
+    assert tier.stats()["write_skipped"] >= 3 and tier.stats()["stalled"]
+    assert tier.delete(items[0].key)  # still queued: cancelled
+    _settle(tier)
+    assert items[0].key not in tier and all(items[i].key in tier for i in range(1, 4))
+    tier.close()
+    tier = _open(tmp_path)
+    assert items[0].key not in tier and len(tier) == sum(accepted) - 1
+    tier.close()
