@@ -261,6 +261,10 @@ def up(
     admin_port: Annotated[int, _port("Admin API port (0: any free port).")] = 0,
     tls: Annotated[bool, typer.Option(help="Generate cluster credentials and require them on the data ports "
                                            "(--no-tls: plain TCP, e.g. for benchmarks).")] = True,
+    disk_dir: Annotated[str | None, typer.Option(
+        help="Give each node a disk tier in DIR/<node-id> (kept after the run: the next `kvring up` with the "
+             "same directory starts warm).", show_default=False)] = None,
+    disk_capacity: Annotated[str, typer.Option(help="Disk budget per node with --disk-dir.")] = "10GiB",
 ) -> None:
     """Start a local cluster (etcd + N nodes + the admin API on loopback) until Ctrl-C, SIGTERM or SIGHUP;
     then stop every process it started and remove its temporary files."""
@@ -282,7 +286,9 @@ def up(
     token = os.environ.get("KVRING_ADMIN_TOKEN") or secrets.token_hex(16)
     with run_directory("up"):  # etcd's data and the credentials live there; removed however the run ends
         cluster_ = LocalCluster(nodes=nodes, memory=budget, etcd=etcd, cluster=cluster, contract=contract,
-                                admin=admin, admin_port=admin_port, admin_token=token, tls=tls)
+                                admin=admin, admin_port=admin_port, admin_token=token, tls=tls,
+                                disk=_size(disk_capacity, "--disk-capacity") if disk_dir else 0,
+                                disk_root=os.path.abspath(disk_dir) if disk_dir else None)
         try:
             cluster_.start()  # stops what it started if it fails
         except FileNotFoundError as exc:  # no etcd binary
@@ -309,7 +315,9 @@ def _print_cluster(cluster_: LocalCluster, token: str) -> None:
     cluster = cluster_.cluster
     typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
     for n in cluster_.nodes:
-        typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}")
+        disk = f"  disk {format_size(n.disk_capacity)} in {n.disk_dir}" if n.disk_dir else ""
+        typer.echo(f"  {n.node_id}: data {n.data_addr}  admin {n.admin_addr}/metrics  memory {format_size(n.memory)}"
+                   f"{disk}")
     tls_extra = {"tls_dir": str(cluster_.tls.directory)} if cluster_.tls is not None else {}
     transfer = json.dumps(transfer_config(cluster_.etcd, cluster, **tls_extra))
     typer.echo("Point vLLM at it:")

@@ -273,7 +273,7 @@ class LocalCluster:
                  cluster: str = "default", lease_ttl: int = 10, contract: Contract | None = None,
                  node_args: list[str] | None = None, admin: bool = False, admin_port: int = 0,
                  admin_token: str | None = None, tls: bool = False, node_token: str | None = None,
-                 disk: int = 0) -> None:
+                 disk: int = 0, disk_root: str | None = None) -> None:
         self.local_etcd = None if etcd else LocalEtcd()
         self.etcd = etcd or self.local_etcd.endpoint
         self.cluster = cluster
@@ -293,10 +293,12 @@ class LocalCluster:
         with os.fdopen(fd, "w") as f:
             f.write(self.node_token + "\n")
         node_args = [*(node_args or []), "--node-token-file", str(self.node_token_file)]
-        # With ``disk`` (bytes per node): each node keeps a disk tier in a directory of its own under
-        # one temporary directory (removed on close), kept when a node restarts.
+        # With ``disk`` (bytes per node): each node keeps a disk tier in a directory of its own
+        # (``disk_root``/node id, kept; without ``disk_root``, under a temporary directory removed on
+        # close), kept when a node restarts.
         self.disk = disk
-        self._disk_root = tempfile.mkdtemp(prefix="kvring-disk-") if disk else None
+        self._disk_root = (disk_root or tempfile.mkdtemp(prefix="kvring-disk-")) if disk else None
+        self._disk_temporary = bool(disk) and disk_root is None
         self.nodes = [NodeProcess(f"node-{i}", memory, self.etcd, cluster, lease_ttl, self.contract,
                                   list(node_args), **self._disk_of(f"node-{i}")) for i in range(nodes)]
         self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token,
@@ -379,7 +381,7 @@ class LocalCluster:
         if self.local_etcd is not None:
             self.local_etcd.close()
         shutil.rmtree(self._token_dir, ignore_errors=True)  # the credentials' directory, if there are any
-        if self._disk_root is not None:
+        if self._disk_temporary:
             shutil.rmtree(self._disk_root, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
