@@ -6,12 +6,15 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
 
 - ``reconcile`` (create, resume, spec update): parse the spec (an invalid one gets the
   ``ConfigMismatch`` condition and a warning event and is left there: no retry loop, the cluster
-  keeps its last good objects); plan replicas (a scale-in keeps the StatefulSet's size and asks
+  keeps its last good objects; so does a changed ``spec.disk``, which a StatefulSet cannot take,
+  for the StatefulSet alone); plan replicas (a scale-in keeps the StatefulSet's size and asks
   the leaving nodes to drain); create the Secrets made once per cluster if they are missing
   (``<name>-tls`` when TLS is on, ``<name>-node-token``), never rewriting them; render, adopt and
   create-or-patch every other child.
 - ``observe`` (timer): read the StatefulSet, the members in etcd and the nodes' ``/stats``;
-  finish a scale-in once its nodes are drained or its timeout passed; write ``status``.
+  finish a scale-in once its nodes are drained or its timeout passed; with a disk tier, step
+  the rolling update on (``rollout``: restart markers in etcd, the StatefulSet's partition);
+  write ``status``.
 - ``cleanup`` (deletion, behind the operator's finalizer): delete the cluster's keys from etcd.
   Children go by owner-reference garbage collection.
 
@@ -37,7 +40,7 @@ from kvring.common.tls import credentials_pem
 from kvring.membership.etcd import Etcd
 from kvring.membership.settings import EtcdSettings
 
-from . import render, scaling
+from . import render, rollout, scaling
 from . import status as st
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, OwnedElsewhere
@@ -149,6 +152,14 @@ class CacheClusterHandlers:
                 kopf.info(body, reason="ScaleIn", message=scaling.describe(plan.scale_in))
 
         results = []
+        children = render.render_children(name, namespace, cs, replicas=plan.replicas)
+        problem = rollout.disk_change(sts, children[-1])
+        if problem:  # the StatefulSet cannot take it: keep it as it runs, say so
+            logger.error("%s", problem)
+            kopf.warn(body, reason="DiskImmutable", message=problem)
+            children = children[:-1]
+        elif cs.disk is not None:  # a new pod template is held; the status timer rolls it pod by pod
+            children[-1]["spec"]["updateStrategy"] = render.update_strategy(cs, rollout.held_partition(sts, children[-1]))
         if cs.tls:
             results.append(("Secret", render.tls_secret(name), await self._ensure_secret(
                 namespace, body, render.tls_secret(name),
@@ -156,7 +167,7 @@ class CacheClusterHandlers:
         results.append(("Secret", render.node_token_secret(name), await self._ensure_secret(
             namespace, body, render.node_token_secret(name),
             lambda: render.render_node_token_secret(name, namespace, secrets.token_hex(32)))))
-        for child in render.render_children(name, namespace, cs, replicas=plan.replicas):
+        for child in children:
             kopf.adopt(child, owner=body)
             try:
                 results.append((child["kind"], child["metadata"]["name"], await self.kube.apply(child)))
@@ -177,7 +188,8 @@ class CacheClusterHandlers:
             "selector": render.selector(name),
             "connector": render.connector_json(name, namespace, cs),
             "conditions": st.merge_conditions(status.get("conditions"),
-                                              [st.Condition("ConfigMismatch", False, "SpecValid")],
+                                              [st.Condition("ConfigMismatch", True, "DiskImmutable", problem)
+                                               if problem else st.Condition("ConfigMismatch", False, "SpecValid")],
                                               generation, st.now_iso()),
         })
 
@@ -245,10 +257,16 @@ class CacheClusterHandlers:
         if pending is not None and sts is not None and members is not None:
             sts, pending = await self._advance_scale_in(name, namespace, cs, sts, pending, members, body, patch, logger)
 
+        problem = rollout.disk_change(sts, render.render_statefulset(name, namespace, cs))
+        roll = None
+        if cs.disk is not None and sts is not None and not problem:
+            roll = await self._advance_roll(name, namespace, cs, sts, pending is not None, meta, body, patch, logger)
+
         obs = st.Observation(
             name=name, generation=generation, desired=cs.replicas, statefulset=sts, members=members,
             revision=revision, etcd_error=etcd_error, stats=await self._stats(members),
-            scale_in=pending.view if pending is not None else None)
+            scale_in=pending.view if pending is not None else None, spec_problem=problem,
+            rollout=roll.status if roll is not None else None, progressing=roll.condition if roll is not None else None)
         new = st.build_status(obs, status, selector=render.selector(name),
                               connector=render.connector_json(name, namespace, cs), now=st.now_iso())
         update = st.changed_fields(status, new)
@@ -287,6 +305,63 @@ class CacheClusterHandlers:
             kopf.info(body, reason="ScaledIn", message=message)
         patch.metadata.annotations[scaling.SCALE_IN_ANNOTATION] = None
         return sts, None
+
+    async def _advance_roll(self, name: str, namespace: str, cs: ClusterSpec, sts: dict[str, Any], scale_in: bool,
+                            meta: Mapping[str, Any], body: kopf.Body, patch: kopf.Patch,
+                            logger: logging.Logger) -> rollout.RollPlan:
+        """One step of a disk cluster's rolling update (``rollout``): gather, plan, carry out."""
+        assert self.kube is not None
+        etcd = self.etcd(etcd_target(name, namespace, cs, None))
+        try:
+            view = await etcd.restart_view()
+        except MembershipError as exc:
+            logger.warning("rolling update: cannot read etcd: %s", exc)
+            view = None
+        replicas = int(sts["spec"].get("replicas") or 0)
+        pods: dict[int, rollout.PodView] = {}
+        for k in range(replicas):
+            try:
+                pod = await self.kube.get("v1", "Pod", namespace, render.node_id(name, k))
+            except KubeError as exc:
+                raise kopf.TemporaryError(f"cannot read the node pods: {exc}", delay=self.config.retry_delay) from exc
+            if pod is not None:
+                pods[k] = rollout.PodView.of(pod)
+        annotations = meta.get("annotations", {})
+        strategy = sts["spec"].get("updateStrategy") or {}
+        inp = rollout.RollInput(
+            name=name, replicas=replicas,
+            partition=int((strategy.get("rollingUpdate") or {}).get("partition") or 0),
+            update_revision=rollout.update_revision(sts), pods=pods,
+            nodes=None if view is None else {n: rollout.NodeView(r.state, r.incarnation, view.written.get(n, 0))
+                                             for n, r in view.members.items()},
+            reports=view.repair if view is not None else {},
+            restarting=frozenset(view.restarting) if view is not None else frozenset(),
+            replication=cs.replication, step=rollout.Step.from_annotation(annotations.get(rollout.ROLLOUT_ANNOTATION)),
+            now=time.time(), repair_timeout=float(cs.drain_timeout_seconds), scale_in=scale_in)
+        plan = rollout.plan_roll(inp)
+
+        for node_id in plan.unmark:
+            try:
+                await etcd.cancel_restart(node_id)
+                logger.info("rolling update: removed the restart marker of %s", node_id)
+            except MembershipError as exc:
+                logger.warning("rolling update: cannot remove the restart marker of %s yet: %s", node_id, exc)
+        try:
+            if plan.mark:  # the marker first: the pod must find it when its preStop hook runs
+                await etcd.request_restart(plan.mark, inp.update_revision or "")
+            if plan.partition is not None:
+                await self.kube.patch("apps/v1", "StatefulSet", namespace, name, {
+                    "metadata": {"resourceVersion": sts["metadata"].get("resourceVersion")},
+                    "spec": {"updateStrategy": {"rollingUpdate": {"partition": plan.partition}}}})
+        except (MembershipError, KubeError) as exc:
+            logger.warning("rolling update: cannot let %s go yet: %s", plan.mark or "the partition", exc)
+            return rollout.RollPlan(status={**plan.status, "reason": "Retrying", "message": str(exc)[:300]},
+                                    condition=plan.condition, step=inp.step)
+        for kind, reason, message in plan.events:
+            logger.info("rolling update: %s", message)
+            (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason, message=message)
+        patch.metadata.annotations.update(rollout.annotation_patch(plan, annotations))
+        return plan
 
     async def _stats(self, members: Mapping[str, st.Member] | None) -> dict[str, dict[str, Any]]:
         """Each registered node's ``/stats`` from its admin address; unreachable ones are left out."""

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # The kinds the render functions produce, and their REST names.
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Pod"): "pods",  # read only: the rolling update of a disk cluster watches its pods
     ("v1", "Secret"): "secrets",
     ("v1", "Service"): "services",
     ("apps/v1", "StatefulSet"): "statefulsets",

@@ -40,6 +40,7 @@ from .render_nodes import (
     render_pdb,
     render_statefulset,
     render_tls_secret,
+    update_strategy,
 )
 from .spec import ClusterSpec, check_name
 
@@ -48,11 +49,12 @@ __all__ = [
     "config_data", "config_hash", "connector_config", "connector_json", "etcd_endpoints", "labels", "node_id",
     "node_resources", "node_token_secret", "nodes_service", "pod_memory", "render_children", "render_client_service",
     "render_configmap", "render_etcd", "render_headless_service", "render_node_token_secret", "render_pdb",
-    "render_statefulset", "render_tls_secret", "selector", "selector_labels", "tls_secret",
+    "render_statefulset", "render_tls_secret", "selector", "selector_labels", "tls_secret", "update_strategy",
 ]
 
 
-def render_children(name: str, namespace: str, spec: ClusterSpec, replicas: int | None = None) -> list[dict[str, Any]]:
+def render_children(name: str, namespace: str, spec: ClusterSpec, replicas: int | None = None,
+                    partition: int = 0) -> list[dict[str, Any]]:
     """All child objects in apply order: config and etcd first, the nodes that need them last."""
     check_name(name)
     return [
@@ -61,5 +63,5 @@ def render_children(name: str, namespace: str, spec: ClusterSpec, replicas: int 
         render_headless_service(name, namespace, spec),
         render_client_service(name, namespace, spec),
         render_pdb(name, namespace, spec),
-        render_statefulset(name, namespace, spec, replicas),
+        render_statefulset(name, namespace, spec, replicas, partition),
     ]

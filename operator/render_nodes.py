@@ -10,6 +10,12 @@ node keeps for reuse (at most an eighth of the budget), bytes in flight that the
 count yet (frames being received, handoff buffers) and allocator slack.
 Request = limit keeps the pods in the Guaranteed class for memory, so a busy neighbour cannot
 get them evicted.
+
+Disk tier (``spec.disk``): each node gets a volume of its own from a claim template (``disk``,
+ReadWriteOnce, mounted at ``DISK_MOUNT``), runs with ``--disk-dir <mount>/disk --disk-capacity
+<bytes>``, and the StatefulSet's rolling update is held by a ``partition`` that the operator
+steps down one pod at a time (``rollout.py``); without a disk, the StatefulSet controller rolls
+the pods by itself and each one drains on its way out.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from .naming import (
     selector_labels,
     tls_secret,
 )
-from .spec import ClusterSpec
+from .spec import DISK_MOUNT, ClusterSpec
 
 MiB = 1 << 20
 MEMORY_HEADROOM = 1.25
@@ -79,6 +85,7 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
         "--lease-ttl", str(spec.lease_ttl),
         "--policy", spec.policy,
         *(("--tls-dir", TLS_MOUNT) if spec.tls else ()),
+        *(("--disk-dir", f"{DISK_MOUNT}/disk", "--disk-capacity", str(spec.disk.capacity)) if spec.disk else ()),
     ]
 
 
@@ -120,7 +127,8 @@ def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
-                         *([{"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}] if spec.tls else [])],
+                         *([{"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}] if spec.tls else []),
+                         *([{"name": DISK_VOLUME, "mountPath": DISK_MOUNT}] if spec.disk else [])],
     }
 
 
@@ -147,9 +155,39 @@ def _scheduling(name: str, spec: ClusterSpec) -> dict[str, Any]:
     return out
 
 
-def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: int | None = None) -> dict[str, Any]:
-    """The node StatefulSet; ``replicas`` overrides ``spec.replicas`` (kept higher while draining)."""
+DISK_VOLUME = "disk"  # the claim template's name: the PVCs are disk-<name>-<ordinal>
+
+
+def claim_templates(name: str, spec: ClusterSpec) -> list[dict[str, Any]]:
+    """The node StatefulSet's ``volumeClaimTemplates``: one volume per node with a disk tier."""
+    if spec.disk is None:
+        return []
+    claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": spec.disk.size}}}
+    if spec.disk.storage_class:
+        claim["storageClassName"] = spec.disk.storage_class
+    return [{"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": DISK_VOLUME, "labels": labels(name)}, "spec": claim}]
+
+
+def update_strategy(spec: ClusterSpec, partition: int) -> dict[str, Any]:
+    """Without a disk the controller rolls (each pod drains on its way out); with one the operator
+    steps ``partition`` down, one pod at a time, and the pods keep their chunks (``rollout.py``)."""
+    if spec.disk is None:
+        return {"type": "RollingUpdate"}
+    return {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
+
+
+def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: int | None = None,
+                       partition: int = 0) -> dict[str, Any]:
+    """The node StatefulSet; ``replicas`` overrides ``spec.replicas`` (kept higher while draining),
+    ``partition`` is the rolling update's (with a disk tier; see ``update_strategy``)."""
     pod_labels = labels(name)
+    disk: dict[str, Any] = {}
+    if spec.disk is not None:
+        # The volumes go with the CacheCluster, and stay through a scale-in (a node that comes back
+        # finds its chunks).
+        disk = {"volumeClaimTemplates": claim_templates(name, spec),
+                "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"}}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -159,7 +197,7 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
             "serviceName": nodes_service(name),
             # Nodes find each other through etcd, not through ordinal order: start them together.
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
+            "updateStrategy": update_strategy(spec, partition),
             "selector": {"matchLabels": selector_labels(name)},
             "template": {
                 "metadata": {
@@ -179,6 +217,7 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
                     **_scheduling(name, spec),
                 },
             },
+            **disk,
         },
     }
 

@@ -79,6 +79,21 @@ class EtcdSpec:
     image: str = DEFAULT_ETCD_IMAGE
 
 
+DISK_MOUNT = "/var/lib/kvring"  # where each node's volume is mounted; the node's --disk-dir is <mount>/disk
+DISK_FILL = 0.9  # the share of its volume a node may fill with chunks unless spec.disk.capacity says otherwise
+MIN_DISK = 1 << 30
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """A volume per node (a StatefulSet claim template) holding the node's disk tier."""
+
+    size: str  # the claim's request, as written (e.g. 100Gi)
+    size_bytes: int
+    capacity: int  # bytes of chunks the node may keep there (--disk-capacity)
+    storage_class: str | None = None
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """A validated CacheCluster spec with every default applied."""
@@ -106,6 +121,7 @@ class ClusterSpec:
     affinity: dict[str, Any] | None = None
     topology_spread: tuple[dict[str, Any], ...] = ()
     tls: bool = True  # mutual TLS on the data plane, with credentials in the Secret <name>-tls
+    disk: DiskSpec | None = None  # a disk tier on a volume per node; None: memory only
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | None) -> ClusterSpec:
@@ -116,7 +132,7 @@ class ClusterSpec:
 _SPEC_KEYS = ("replicas", "image", "imagePullPolicy", "memoryPerNode", "resources", "chunkSize",
               "virtualNodes", "replication", "evictionPolicy", "leaseTtlSeconds", "drainTimeoutSeconds",
               "etcd", "authSecret", "ports", "nodeSelector", "tolerations", "affinity",
-              "topologySpreadConstraints", "tls")
+              "topologySpreadConstraints", "tls", "disk")
 
 
 class _Reader:
@@ -152,6 +168,7 @@ class _Reader:
             "affinity": self._affinity(s.get("affinity")),
             "topology_spread": self._spread(s.get("topologySpreadConstraints")),
             "tls": self._enum(s, "tls", True, (True, False)),
+            "disk": self._disk(s.get("disk")),
         }
         values["memory_per_node_raw"], values["memory_per_node"] = self._memory(s)
         (values["data_port"], values["admin_port"], values["events_port"],
@@ -295,6 +312,39 @@ class _Reader:
         return EtcdSpec(members=self._enum(managed, "members", 1, ETCD_MEMBERS, where), storage=str(storage),
                         storage_class=self._str(managed, "storageClassName", None, where),
                         image=self._str(managed, "image", DEFAULT_ETCD_IMAGE, where) or DEFAULT_ETCD_IMAGE)
+
+    def _disk(self, disk: Any) -> DiskSpec | None:
+        if disk is None:
+            return None
+        where = "spec.disk"
+        if not isinstance(disk, dict):
+            self.problems.append(f"{where} must be an object such as {{size: 100Gi}}, got {disk!r}")
+            return None
+        self._unknown(disk, ("size", "storageClassName", "capacity"), where)
+        size, size_bytes = disk.get("size"), 0
+        if size is None:
+            self.problems.append(f"{where}.size is required: each node's volume, e.g. 100Gi")
+        else:
+            try:
+                size_bytes = parse_bytes(size)
+                if size_bytes < MIN_DISK:
+                    self.problems.append(f"{where}.size {size} is below the minimum of 1Gi; set at least 1Gi")
+            except ValueError as exc:
+                self.problems.append(f"{where}.size: {exc}")
+        capacity = int(size_bytes * DISK_FILL)
+        if "capacity" in disk:
+            try:
+                capacity = parse_bytes(disk["capacity"])
+            except ValueError as exc:
+                self.problems.append(f"{where}.capacity: {exc}")
+            else:
+                if size_bytes and capacity > size_bytes:
+                    self.problems.append(f"{where}.capacity {disk['capacity']} exceeds {where}.size {size}: the node "
+                                         "could fill its volume; lower it (or leave it out: 90% of size)")
+                elif capacity <= 0:
+                    self.problems.append(f"{where}.capacity must be positive, got {disk['capacity']!r}")
+        return DiskSpec(size=str(size), size_bytes=size_bytes, capacity=capacity,
+                        storage_class=self._str(disk, "storageClassName", None, where))
 
     def _node_selector(self, sel: Any) -> dict[str, str]:
         if sel is None:

@@ -14,8 +14,11 @@ stays the same, as Kubernetes conventions ask):
 - ``Rebalancing``: chunks are moving: a scale-in is draining nodes, a node is joining,
   draining or drained, or a node is restoring copies its co-owners lack (after a node was lost
   or came back empty: its ``/stats`` ``repair.moving``).
-- ``ConfigMismatch``: the spec cannot work (``invalid_status``); the running cluster is left as
-  it was.
+- ``ConfigMismatch``: the spec cannot work (``invalid_status``), or cannot be applied to the
+  running cluster (``spec.disk`` changed: ``rollout.disk_change``); the running cluster is left
+  as it was.
+- ``Progressing`` (clusters with a disk tier): a rolling update the operator drives is under way
+  (``rollout.plan_roll``); ``status.rollout`` says which pod it waits for and why.
 
 The ring epoch is the etcd revision at which the membership (node ids and states) last
 changed, as clients number their rings; it stays put while the membership does.
@@ -30,7 +33,7 @@ from typing import Any
 
 from kvring.common.types import NodeState
 
-CONDITION_TYPES = ("Ready", "Degraded", "Rebalancing", "ConfigMismatch")
+CONDITION_TYPES = ("Ready", "Degraded", "Rebalancing", "ConfigMismatch", "Progressing")
 MOVING_STATES = frozenset({NodeState.JOINING, NodeState.DRAINING, NodeState.DRAINED})
 
 
@@ -121,6 +124,9 @@ class Observation:
     etcd_error: str = ""
     stats: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # node id -> /stats
     scale_in: ScaleInView | None = None
+    spec_problem: str = ""  # why the spec cannot be applied to the running cluster ("" if it can)
+    rollout: Mapping[str, Any] | None = None  # status.rollout (clusters with a disk tier)
+    progressing: Condition | None = None
 
 
 def ordinal(name: str, node_id: str) -> int | None:
@@ -239,8 +245,9 @@ def observed_conditions(obs: Observation, nodes: list[dict[str, Any]],
     else:
         rebalancing = Condition("Rebalancing", False, "Stable", "")
 
-    spec_ok = Condition("ConfigMismatch", False, "SpecValid", "")
-    return [ready, degraded, rebalancing, spec_ok]
+    spec_ok = Condition("ConfigMismatch", True, "DiskImmutable", obs.spec_problem) if obs.spec_problem \
+        else Condition("ConfigMismatch", False, "SpecValid", "")
+    return [ready, degraded, rebalancing, spec_ok, *([obs.progressing] if obs.progressing is not None else [])]
 
 
 def build_status(obs: Observation, previous: Mapping[str, Any] | None, *, selector: str, connector: str,
@@ -248,7 +255,9 @@ def build_status(obs: Observation, previous: Mapping[str, Any] | None, *, select
     """The whole ``status`` object for a valid spec."""
     _, pods, ready_pods = _sts_numbers(obs.statefulset)
     nodes = node_summaries(obs)
+    rollout = {"rollout": dict(obs.rollout)} if obs.rollout is not None else {}
     return {
+        **rollout,
         "observedGeneration": obs.generation,
         "replicas": pods,
         "readyReplicas": ready_pods,

@@ -41,6 +41,8 @@ SCENARIOS = {
     "everything": ["--set", "etcd.enabled=true", "--set", "cacheCluster.enabled=true", "--set", "vllm.enabled=true",
                    "--set", "admin.enabled=true",
                    "--set", "cacheCluster.spec.replication=2", "--set", "operator.extraArgs={--verbose}"],
+    "disk": ["--set", "cacheCluster.enabled=true", "--set", "cacheCluster.spec.disk.size=100Gi",
+             "--set", "cacheCluster.spec.disk.storageClassName=local-nvme", "--set", "cacheCluster.spec.replication=2"],
     "no-operator": ["--set", "operator.enabled=false", "--set", "cacheCluster.enabled=true"],
     "namespaced": ["--set", "operator.namespaces={team-a,team-b}", "--set", "operator.livenessPort=0"],
 }
@@ -211,6 +213,15 @@ def test_cachecluster_wiring():
     # Without the chart's etcd, the operator runs one for the cluster (the CRD's default).
     alone = by_kind(template(*SCENARIOS["cachecluster"]))[("CacheCluster", "kv-cache")]
     assert "etcd" not in alone["spec"]
+
+
+def test_the_chart_carries_a_disk_tier_to_the_cachecluster_and_the_operator_renders_it():
+    cc = by_kind(template(*SCENARIOS["disk"]))[("CacheCluster", "kv-cache")]
+    assert cc["spec"]["disk"] == {"size": "100Gi", "storageClassName": "local-nvme"}
+    sts = render_children("kv-cache", NAMESPACE, ClusterSpec.from_dict(cc["spec"]))[-1]
+    claim = sts["spec"]["volumeClaimTemplates"][0]["spec"]
+    assert (claim["resources"]["requests"]["storage"], claim["storageClassName"]) == ("100Gi", "local-nvme")
+    assert "--disk-dir" in sts["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_chart_etcd_initial_cluster_lists_every_member():

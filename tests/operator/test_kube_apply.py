@@ -42,8 +42,9 @@ def test_merge_owner_references_keeps_other_non_controller_owners():
 def test_object_path():
     assert object_path("v1", "Service", "ns", "a") == "/api/v1/namespaces/ns/services/a"
     assert object_path("apps/v1", "StatefulSet", "ns") == "/apis/apps/v1/namespaces/ns/statefulsets"
+    assert object_path("v1", "Pod", "ns", "p") == "/api/v1/namespaces/ns/pods/p"  # read by the disk clusters' roll
     with pytest.raises(ValueError, match="not a kind the operator manages"):
-        object_path("v1", "Pod", "ns", "p")
+        object_path("v1", "Node", "ns", "n")
 
 
 def test_apply_creates_then_leaves_alone_then_patches_and_refuses_a_foreign_owner(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -37,7 +38,7 @@ from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.store import ENTRY_OVERHEAD
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
-from kvring.common.records import NodeRecord
+from kvring.common.records import NodeRecord, RepairReport
 from kvring.local.cluster import NodeProcess
 from kvring.membership.etcd import Etcd
 from kvring.membership.registrar import Registrar
@@ -467,3 +468,242 @@ def test_kvring_operator_command_serves_until_sigterm(kube, etcd_server):
     assert proc.returncode == 0, output[-3000:]
     assert "serving CacheClusters in all namespaces" in output
     assert output.count("Handler 'reconcile' succeeded") == 1  # one log line each, no duplicate handlers
+
+
+# ---- rolling upgrade of a disk cluster --------------------------------------------------------
+
+class FakeNodes:
+    """Node records and repair reports in the real etcd, written as ``kvring node`` writes them
+    (a ``Registrar`` under a lease, ``Etcd.put_repair_report`` under the same lease).  No node
+    process runs: the pods are emulated (``RollController``), so the nodes are played too."""
+
+    def __init__(self, endpoint: str, cluster: str) -> None:
+        self.settings = EtcdSettings.parse(endpoint, cluster=cluster)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.etcd = self.run(self._etcd())
+        self.registrars: dict[str, tuple[Registrar, asyncio.Task]] = {}
+        self.generation = 0
+
+    async def _etcd(self) -> Etcd:
+        return Etcd(self.settings)
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def start(self, node_id: str) -> None:
+        """The node registers (a new incarnation, as after every start)."""
+        async def start():
+            self.generation += 1
+            rec = NodeRecord(node_id=node_id, data_addr=f"tcp://127.0.0.1:{9000 + self.generation}",
+                             admin_addr="http://127.0.0.1:9", capacity=64 * MiB, incarnation=f"inc-{self.generation}")
+            registrar = Registrar(self.etcd, rec, Contract(), ttl=5)
+            await registrar.register_once()
+            self.registrars[node_id] = (registrar, asyncio.ensure_future(registrar.run()))
+        self.run(start())
+
+    def stop(self, node_id: str) -> None:
+        """The node stops: it revokes its lease, and its record and report go."""
+        async def stop():
+            registrar, task = self.registrars.pop(node_id)
+            task.cancel()
+            await registrar.deregister()
+        self.run(stop())
+
+    def report(self, node_id: str, settled: bool) -> None:
+        """Its repair report: a finished pass on the current ring, or one on an old ring."""
+        async def report():
+            registrar, _ = self.registrars[node_id]
+            revision = (await self.etcd.restart_view()).revision
+            await self.etcd.put_repair_report(RepairReport(node_id=node_id, incarnation=registrar.record.incarnation,
+                                                           epoch=revision if settled else 1, passes=1),
+                                              registrar.lease_id)
+        self.run(report())
+
+    def restarting(self) -> set[str]:
+        return self.run(self.etcd.restart_requests())
+
+    def close(self) -> None:
+        for node_id in list(self.registrars):
+            self.stop(node_id)
+        self.run(self.etcd.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class RollController:
+    """Plays the StatefulSet controller, which the emulator lacks: revisions of the pod template,
+    pods with their revision label and Ready condition, and the partitioned rolling update (a pod
+    at or above the partition on an old revision is deleted -- its node stops -- and comes back on
+    the new revision).  A returning pod stays unready while ``hold`` is set; it records what each
+    deletion saw."""
+
+    def __init__(self, api: KubeAPI, name: str, nodes: FakeNodes) -> None:
+        self.api, self.name, self.nodes = api, name, nodes
+        self.hold = False
+        self.deleted: list[tuple[str, set[str], int]] = []  # (pod, restart markers then, pods down then)
+        self.returning: set[int] = set()
+
+    def revision(self, sts: dict) -> str:
+        digest = hashlib.sha256(json.dumps(sts["spec"]["template"], sort_keys=True).encode()).hexdigest()
+        return f"{self.name}-{digest[:10]}"
+
+    def pod(self, k: int) -> dict | None:
+        return self.api.get(path("v1", "pods", f"{self.name}-{k}"))
+
+    def put_pod(self, k: int, revision: str, ready: bool) -> None:
+        body = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"{self.name}-{k}", "namespace": NS, "labels": {"controller-revision-hash": revision}},
+                "spec": {"containers": [{"name": "cachenode", "image": "x"}]}}
+        if self.pod(k) is None:
+            self.api.create(KubeAPI.path("v1", "pods", NS), body)
+        self.api.patch(path("v1", "pods", f"{self.name}-{k}") + "/status",
+                       {"status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+
+    def tick(self) -> None:
+        sts = self.api.get(path("apps/v1", "statefulsets", self.name))
+        if sts is None:
+            return
+        rev, n = self.revision(sts), sts["spec"]["replicas"]
+        partition = sts["spec"]["updateStrategy"].get("rollingUpdate", {}).get("partition", 0)
+        pods = {k: self.pod(k) for k in range(n)}
+        for k, pod in pods.items():
+            if pod is None:  # first start
+                self.put_pod(k, rev, True)
+                self.nodes.start(f"{self.name}-{k}")
+                self.nodes.report(f"{self.name}-{k}", settled=True)
+            elif k in self.returning and not self.hold:  # back: Ready (index rebuilt), registered
+                self.returning.discard(k)
+                self.put_pod(k, rev, True)
+                self.nodes.start(f"{self.name}-{k}")
+                self.nodes.report(f"{self.name}-{k}", settled=False)  # its first pass not done yet
+        down = [k for k in range(n) if k in self.returning]
+        for k in range(n - 1, partition - 1, -1):  # highest first, one at a time, only when all are Ready
+            pod = self.pod(k)
+            if pod["metadata"]["labels"]["controller-revision-hash"] != rev and not down:
+                self.deleted.append((f"{self.name}-{k}", self.nodes.restarting(), len(down) + 1))
+                self.nodes.stop(f"{self.name}-{k}")  # its preStop found the marker: no handoff; SIGTERM
+                self.api.delete(path("v1", "pods", f"{self.name}-{k}"))
+                self.put_pod(k, rev, False)
+                self.returning.add(k)
+                break
+        ready = sum(1 for k in range(n) if k not in self.returning)
+        self.api.patch(path("apps/v1", "statefulsets", self.name) + "/status", {"status": {
+            "observedGeneration": sts["metadata"]["generation"], "updateRevision": rev, "replicas": n,
+            "readyReplicas": ready}})
+
+
+def test_a_disk_cluster_rolls_one_pod_at_a_time_and_no_pod_hands_off(kube, etcd_server):
+    """A 3-node disk cluster with two copies per chunk gets a new image.  The Kubernetes API is
+    emulated (no API server can run here), and so are the StatefulSet controller and the nodes
+    (``RollController`` and ``FakeNodes``: records and repair reports in the real etcd, written
+    as nodes write them); the operator is the real one.  It lets one pod go at a time, highest
+    ordinal first, each marked restarting in etcd before it goes; it waits for that pod to be
+    Ready on the new revision and for every node to report repair settled after its return;
+    the status shows where the roll stands; every marker is removed once its pod is back."""
+    api = kube.api
+    nodes = FakeNodes(etcd_server.endpoint, f"{NS}.roll")
+    ctl = RollController(api, "roll", nodes)
+
+    def rollout_when(pred, what: str, timeout: float = 15.0) -> dict:
+        def check():
+            ctl.tick()
+            obj = api.get(cc_path("roll"))
+            return obj if pred((obj.get("status") or {}).get("rollout") or {}) else None
+        return wait_for(check, timeout=timeout, what=what, interval=0.1)
+
+    def partition() -> int:
+        return api.get(path("apps/v1", "statefulsets", "roll"))["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
+
+    try:
+        with operator():
+            api.create(cc_path(), cachecluster("roll", replicas=3, replication=2, image="kvring:0.1.0",
+                                               disk={"size": "10Gi", "storageClassName": "local-nvme"},
+                                               etcd={"endpoints": [etcd_server.endpoint]}))
+            wait_for(lambda: api.get(path("apps/v1", "statefulsets", "roll")), what="StatefulSet")
+            sts = api.get(path("apps/v1", "statefulsets", "roll"))
+            assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "local-nvme"
+            args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert args[args.index("--disk-dir") + 1] == "/var/lib/kvring/disk"
+            first = rollout_when(lambda r: r.get("reason") == "Complete", "all 3 pods up on the first revision")
+            assert first["status"]["rollout"]["updated"] == 3 and partition() == 0
+            assert condition(first, "Progressing")["reason"] == "RolloutComplete"
+
+            # A new image: applied with every pod held; the operator lets roll-2 go, marked first.
+            ctl.hold = True
+            api.patch(cc_path("roll"), {"spec": {"image": "kvring:0.2.0"}})
+            cr = rollout_when(lambda r: r.get("waitingFor") == "roll-2" and r.get("reason") == "PodRestarting"
+                              and ctl.deleted, "roll-2 let go")
+            assert ctl.deleted == [("roll-2", {"roll-2"}, 1)]  # the marker was there when it went
+            assert condition(cr, "Progressing")["status"] == "True"
+            # It waits for roll-2 to come back Ready: nothing else goes meanwhile.
+            for _ in range(10):
+                ctl.tick()
+                time.sleep(0.1)
+            assert partition() == 2 and len(ctl.deleted) == 1 and nodes.restarting() == {"roll-2"}
+            assert [p["metadata"]["labels"]["controller-revision-hash"] == ctl.revision(
+                api.get(path("apps/v1", "statefulsets", "roll"))) for p in map(ctl.pod, range(3))] == [False, False, True]
+
+            # Back and Ready, but with two copies it also waits for repair to settle everywhere.
+            ctl.hold = False
+            cr = rollout_when(lambda r: r.get("reason") == "RepairInProgress", "waiting for repair")
+            assert cr["status"]["rollout"]["waitingFor"] == "roll-2" and cr["status"]["rollout"]["updated"] == 1
+            assert "roll-2" in cr["status"]["rollout"]["message"]
+            for _ in range(10):
+                ctl.tick()
+                time.sleep(0.1)
+            assert partition() == 2 and len(ctl.deleted) == 1 and nodes.restarting() == {"roll-2"}
+
+            # Every node reports a finished pass on the ring with roll-2 back: the next pod goes.
+            for k in range(3):
+                nodes.report(f"roll-{k}", settled=True)
+            rollout_when(lambda r: r.get("waitingFor") == "roll-1" and len(ctl.deleted) == 2, "roll-1 let go")
+            assert ctl.deleted[1][:2] == ("roll-1", {"roll-1"})  # roll-2's marker gone, roll-1's set
+
+            # The rest rolls the same way (repair reported settled as soon as each pod is back).
+            def settle_then(pred):
+                def check(r):
+                    for node_id in nodes.registrars:
+                        nodes.report(node_id, settled=True)
+                    return pred(r)
+                return check
+            done = rollout_when(settle_then(lambda r: r.get("reason") == "Complete"), "the roll to finish",
+                                timeout=30)
+        assert [(pod, marks) for pod, marks, _ in ctl.deleted] == [
+            ("roll-2", {"roll-2"}), ("roll-1", {"roll-1"}), ("roll-0", {"roll-0"})]
+        assert all(down == 1 for _, _, down in ctl.deleted)  # never two pods down at once
+        rollout = done["status"]["rollout"]
+        assert (rollout["updated"], rollout["total"], rollout["waitingFor"]) == (3, 3, "")
+        assert condition(done, "Progressing")["reason"] == "RolloutComplete"
+        assert partition() == 0 and nodes.restarting() == set()
+        assert "kvring.io/rollout" not in done["metadata"].get("annotations", {})
+        reasons = [e["reason"] for e in events_for(api, "roll")]
+        assert reasons.count("RollingPod") == 3 and reasons.count("PodRolled") == 3 and "RolloutComplete" in reasons
+        assert "RepairTimeout" not in reasons
+        # The partition only ever stepped down one ordinal at a time (3 held, then 2, 1, 0).
+        history = [v["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
+                   for v in kube.emulator.objects["apps/v1/statefulsets", NS, "roll"].history if v]
+        steps = [p for i, p in enumerate(history) if i == 0 or p != history[i - 1]]
+        assert steps == [0, 3, 2, 1, 0]
+        assert assert_every_version_fits_the_crd(kube, "roll") > 5
+    finally:
+        nodes.close()
+
+
+def test_a_changed_disk_is_refused_with_a_condition_and_the_statefulset_is_left_alone(kube, etcd_server):
+    """The CRD's transition rule refuses this on a real API server; the emulator runs no CEL, so
+    the operator's own check is what is seen here (as on an API server older than 1.25)."""
+    api = kube.api
+    with operator():
+        api.create(cc_path(), cachecluster("fixed", replicas=1, disk={"size": "10Gi"},
+                                           etcd={"endpoints": [etcd_server.endpoint]}))
+        sts = wait_for(lambda: api.get(path("apps/v1", "statefulsets", "fixed")), what="StatefulSet")
+        api.patch(cc_path("fixed"), {"spec": {"disk": {"size": "20Gi"}, "image": "kvring:0.2.0"}})
+        cr = cc_when(api, "fixed", cond_is("ConfigMismatch", status="True", reason="DiskImmutable"))
+        assert "spec.disk cannot change on an existing cluster" in condition(cr, "ConfigMismatch")["message"]
+        wait_for(lambda: [e for e in events_for(api, "fixed") if e["reason"] == "DiskImmutable"], what="event")
+        time.sleep(1.0)  # several status passes keep the condition
+        assert condition(api.get(cc_path("fixed")), "ConfigMismatch")["reason"] == "DiskImmutable"
+        now = api.get(path("apps/v1", "statefulsets", "fixed"))
+        assert now["metadata"]["resourceVersion"] == sts["metadata"]["resourceVersion"]  # not patched at all

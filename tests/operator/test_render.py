@@ -60,7 +60,7 @@ def ctr(c):
 
 def arg(c, flag):
     args = ctr(c)["args"]
-    return args[args.index(flag) + 1]
+    return args[args.index(flag) + 1] if flag in args else None
 
 
 def port(obj, name):
@@ -154,6 +154,19 @@ FIELDS = [
                  [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule",
                    "labelSelector": {"matchLabels": SELECTOR}}],
                  id="topologySpreadConstraints"),
+    pytest.param({"disk": {"size": "100Gi", "storageClassName": "local-nvme"}},
+                 lambda c: (arg(c, "--disk-dir"), arg(c, "--disk-capacity"),
+                            [m["mountPath"] for m in ctr(c)["volumeMounts"]][-1],
+                            sts(c)["spec"].get("volumeClaimTemplates"), sts(c)["spec"]["updateStrategy"]),
+                 ("/var/lib/kvring/disk", str(int((100 << 30) * 0.9)), "/var/lib/kvring",
+                  [{"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": "disk", "labels": {**SELECTOR, "app.kubernetes.io/managed-by": "kvring-operator"}},
+                    "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "100Gi"}},
+                             "storageClassName": "local-nvme"}}],
+                  {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}),
+                 id="disk"),
+    pytest.param({"disk": {"size": "100Gi", "capacity": "50Gi"}}, lambda c: arg(c, "--disk-capacity"),
+                 str(50 << 30), id="disk.capacity"),
 ]
 
 
@@ -334,6 +347,23 @@ def test_node_command_line_parses_with_the_real_cli():
     assert (params["memory"], params["chunk_size"], params["replication"], params["policy"]) == (str(2 << 30), 128, 2, "fifo")
     assert (params["data_port"], params["admin_port"], params["lease_ttl"]) == (5555, 8080, 10)
     assert params["advertise_host"] == "kv-0.kv-nodes.ns.svc"
+
+
+def test_disk_flags_parse_with_the_real_cli():
+    args = [a.replace("$(POD_NAME)", "kv-0") for a in ctr(children(spec_of(disk={"size": "10Gi"})))["args"]]
+    command = typer.main.get_command(app)
+    ctx = command.make_context("kvring", list(args), resilient_parsing=False)
+    params = command.get_command(ctx, args[0]).make_context(args[0], args[1:], parent=ctx).params
+    assert (params["disk_dir"], params["disk_capacity"]) == ("/var/lib/kvring/disk", str(9 * (1 << 30)))
+
+
+def test_a_disk_cluster_holds_its_partition_for_the_operator():
+    held = render_statefulset("kv", "ns", spec_of(disk={"size": "10Gi"}), partition=3)
+    assert held["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 3}}
+    assert held["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    kubernetes_validate.validate(held, K8S_VERSION, strict=True)
+    # Without a disk the controller rolls by itself (each pod drains on its way out).
+    assert render_statefulset("kv", "ns", spec_of(), partition=3)["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
 
 
 def test_prestop_drain_parses_with_the_real_cli():

@@ -14,7 +14,7 @@ import pytest
 from crd_schema import apply_defaults, load_crd, load_examples, openapi_schema, schema_errors
 
 from kvring.operator import spec as spec_mod
-from kvring.operator.spec import ClusterSpec, EtcdSpec, SpecError, check_name, parse_bytes
+from kvring.operator.spec import ClusterSpec, DiskSpec, EtcdSpec, SpecError, check_name, parse_bytes
 
 VALID = load_examples()
 INVALID = load_examples("invalid")
@@ -83,7 +83,7 @@ def test_crd_subresources_and_columns():
     assert columns["Age"] == ".metadata.creationTimestamp"
     status = openapi_schema()["properties"]["status"]["properties"]
     assert status["conditions"]["items"]["properties"]["type"]["enum"] == ["Ready", "Degraded", "Rebalancing",
-                                                                         "ConfigMismatch"]
+                                                                         "ConfigMismatch", "Progressing"]
     assert status["connector"]["type"] == "string"
 
 
@@ -153,6 +153,14 @@ def test_everything_example_reads_every_field():
     assert s.resources == {"requests": {"cpu": "2", "ephemeral-storage": "1Gi"}, "limits": {"cpu": 4}}
     assert (s.data_port, s.admin_port, s.events_port, s.events_replay_port) == (7000, 7001, 7002, 7003)
     assert (s.policy, s.lease_ttl) == ("fifo", 15)
+    assert s.disk == DiskSpec(size="500Gi", size_bytes=500 << 30, capacity=450 << 30, storage_class="local-nvme")
+
+
+def test_disk_capacity_defaults_to_ninety_percent_of_the_volume():
+    s = ClusterSpec.from_dict(VALID["disk.yaml"]["spec"])
+    assert s.disk == DiskSpec(size="200Gi", size_bytes=200 << 30, capacity=int((200 << 30) * 0.9),
+                              storage_class="local-nvme")
+    assert ClusterSpec.from_dict({"memoryPerNode": "1Gi"}).disk is None
 
 
 def test_external_etcd_example():
@@ -166,6 +174,7 @@ def test_external_etcd_example():
 # what SpecError says: both must refuse it, each in its own words.
 INVALID_EXPECTED = {
     "chunk-size-not-power-of-two.yaml": ("spec.chunkSize", "100 is not one of", "spec.chunkSize must be one of 16, 32"),
+    "disk-without-size.yaml": ("spec.disk", "'size' is a required property", "spec.disk.size is required"),
     "etcd-both.yaml": ("spec.etcd", "has too many properties", "sets both endpoints and managed"),
     "etcd-endpoint-without-port.yaml": ("spec.etcd.endpoints.0", "does not match", "is not host:port"),
     "etcd-two-members.yaml": ("spec.etcd.managed.members", "2 is not one of", "members must be one of 1, 3"),
@@ -207,6 +216,7 @@ def test_invalid_examples_are_refused_by_the_schema_and_the_operator(name):
 
 
 REJECTED_EXPECTED = {
+    "disk-capacity-above-size.yaml": "spec.disk.capacity 20Gi exceeds spec.disk.size 10Gi",
     "memory-below-minimum.yaml": "spec.memoryPerNode 16Mi is below the minimum of 64Mi; set at least 64Mi",
     "memory-in-resources.yaml": "spec.resources.limits.memory cannot be set: memory is derived from spec.memoryPerNode",
     "replication-above-replicas.yaml": "spec.replication 3 exceeds spec.replicas 2",
@@ -244,6 +254,10 @@ def test_specs_only_the_operator_can_refuse(name):
     ({"memoryPerNode": "1Gi", "affinity": []}, "spec.affinity must be an object"),
     ({"memoryPerNode": "1Gi", "resources": {"cpu": 1}}, "spec.resources.cpu is not a known field; known: requests, limits"),
     ({"memoryPerNode": "1Gi", "ports": 5555}, "spec.ports must be an object"),
+    ({"memoryPerNode": "1Gi", "disk": "100Gi"}, "spec.disk must be an object such as {size: 100Gi}"),
+    ({"memoryPerNode": "1Gi", "disk": {"size": "100Mi"}}, "spec.disk.size 100Mi is below the minimum of 1Gi"),
+    ({"memoryPerNode": "1Gi", "disk": {"size": "1Gi", "storage": "x"}}, "spec.disk.storage is not a known field"),
+    ({"memoryPerNode": "1Gi", "disk": {"size": "10Gi", "capacity": "lots"}}, "spec.disk.capacity: 'lots' is not"),
 ])
 def test_bad_specs_say_what_to_set(spec, says):
     with pytest.raises(SpecError) as info:

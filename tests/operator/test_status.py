@@ -180,8 +180,26 @@ def test_built_status_has_every_field_and_passes_the_crd_schema():
     assert set(got) == {"observedGeneration", "replicas", "readyReplicas", "selector", "epoch", "nodes",
                         "conditions", "connector"}
     assert (got["observedGeneration"], got["replicas"], got["readyReplicas"]) == (3, 3, 3)
-    assert [c["type"] for c in got["conditions"]] == list(st.CONDITION_TYPES)
+    assert [c["type"] for c in got["conditions"]] == list(st.CONDITION_TYPES[:-1])  # Progressing: disk clusters
     assert schema_errors(cr(got)) == []
+
+
+def test_a_disk_cluster_status_shows_its_rollout_and_passes_the_crd_schema():
+    rollout = {"revision": "c-7d9f", "updated": 1, "total": 3, "partition": 1, "waitingFor": "c-1",
+               "reason": "RepairInProgress", "message": "c-1 is back; waiting for repair to settle on c-0"}
+    o = obs(rollout=rollout, progressing=Condition("Progressing", True, "RepairInProgress", rollout["message"]))
+    got = st.build_status(o, None, selector=SELECTOR, connector="{}", now=T0)
+    assert got["rollout"] == rollout
+    assert [c["type"] for c in got["conditions"]] == list(st.CONDITION_TYPES)
+    assert got["conditions"][-1]["reason"] == "RepairInProgress"
+    assert schema_errors(cr(got)) == []
+    assert "rollout" not in st.build_status(obs(), None, selector=SELECTOR, connector="{}", now=T0)
+
+
+def test_a_disk_change_the_statefulset_cannot_take_is_a_config_mismatch():
+    c = conditions(obs(spec_problem="spec.disk cannot change on an existing cluster"))
+    assert (c["ConfigMismatch"].status, c["ConfigMismatch"].reason) == (True, "DiskImmutable")
+    assert c["Ready"].status is True  # the nodes keep running as they are
 
 
 def test_invalid_status_keeps_the_rest_and_passes_the_crd_schema():
