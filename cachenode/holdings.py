@@ -31,11 +31,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import msgspec
-
 from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
-from .disk.records import JOURNAL_SUFFIX, Stored, decode_entries, segment_name
+from .disk.index import Location
+from .disk.records import JOURNAL_SUFFIX, Stored, decode_blocks, decode_entries, segment_name
 from .disk.tier import DiskTier, ReadResult
 from .events import NodeEvents
 from .server import Server
@@ -103,15 +102,27 @@ class Holdings:
         return stored
 
     def delete(self, key: bytes) -> bool:
-        on_disk = self.disk is not None and self.disk.delete(key)
-        return self.store.delete(key) or on_disk
+        if self.disk is None:
+            return self.store.delete(key)
+        location = self.disk.location(key)
+        on_disk = self.disk.delete(key)
+        if self.store.delete(key):
+            return True
+        if location is not None:
+            self._left_disk(key, location)
+        return on_disk
 
     def delete_namespace(self, namespace: str) -> int:
         if not namespace:
             raise ValueError("refusing to flush the empty namespace (it would mean chunks that have none)")
         if self.disk is None:
             return self.store.delete_namespace(namespace)
-        only_on_disk = sum(1 for key in self.disk.delete_namespace(namespace) if key not in self.store)
+        only_on_disk = 0
+        for key, location in self.disk.delete_namespace(namespace).items():
+            if key not in self.store:
+                only_on_disk += 1
+                if location is not None:
+                    self._left_disk(key, location)
         return self.store.delete_namespace(namespace) + only_on_disk
 
     # ---- reads -----------------------------------------------------------------------------
@@ -172,6 +183,11 @@ class Holdings:
 
     # ---- KV events -------------------------------------------------------------------------
 
+    def _left_disk(self, key: bytes, location: Location) -> None:
+        """A chunk held only on disk was deleted: announce its blocks (read from its journal entry)."""
+        if self.events is not None:
+            self.disk.blocks_of(location, lambda blocks: self.server.post(lambda: self._disk_evicted(key, blocks)))
+
     def _disk_evicted(self, key: bytes, blocks: ChunkBlocks | None) -> None:
         if self.events is not None and blocks is not None and key not in self.store and key not in self.disk:
             self.events.blocks_changed(False, blocks)
@@ -191,7 +207,7 @@ class Holdings:
                     entries, _ = decode_entries(f.read())
             except OSError:
                 continue
-            for entry in entries:
+            for _, entry in entries:
                 if type(entry) is not Stored or entry.blocks is None:
                     continue
                 location = disk.index.entries.get(entry.key)
@@ -199,11 +215,10 @@ class Holdings:
                     continue
                 while publisher.backlog > publisher.settings.max_queued // 2:
                     time.sleep(0.01)
-                try:
-                    self.events.blocks_changed(True, msgspec.msgpack.decode(entry.blocks, type=ChunkBlocks))
+                blocks = decode_blocks(entry.blocks)
+                if blocks is not None:
+                    self.events.blocks_changed(True, blocks)
                     announced += 1
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
         logger.info("disk %s: announced %d chunks kept over the restart", disk.directory, announced)
 
 

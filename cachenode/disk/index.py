@@ -23,14 +23,16 @@ from .records import (DATA_SUFFIX, JOURNAL_SUFFIX, Deleted, Flushed, Stored, dec
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Location:
-    """Where one chunk's record is."""
+    """Where one chunk's record is (never changed once made: not frozen only because a frozen
+    dataclass takes three times as long to build, which a million of them at start notice)."""
 
     segment: int
-    offset: int
+    offset: int  # of the record in the segment's data file
     length: int
     namespace: str
+    entry: int = -1  # offset of its ``Stored`` entry in the segment's journal (-1: not journaled yet)
 
 
 @dataclass(slots=True)
@@ -82,8 +84,8 @@ class DiskIndex:
     def remove(self, key: bytes) -> Location | None:
         return self.entries.pop(key, None)
 
-    def remove_namespace(self, namespace: str) -> list[bytes]:
-        doomed = [key for key, loc in self.entries.items() if loc.namespace == namespace]
+    def remove_namespace(self, namespace: str) -> dict[bytes, Location]:
+        doomed = {key: loc for key, loc in self.entries.items() if loc.namespace == namespace}
         for key in doomed:
             del self.entries[key]
         return doomed
@@ -141,12 +143,16 @@ def _replay(number: int, data_path: str, journal_path: str, index: DiskIndex, re
     segment = Segment(number, journal=whole)
     index.segments[number] = segment
     end = 0
-    for entry in entries:
+    namespaces: dict[str, str] = {}  # one string object per namespace, not one per chunk
+    live, keys = index.entries, segment.keys
+    for at, entry in entries:
         if type(entry) is Stored:
             if entry.offset + entry.length > data_size:
                 report.dropped["entries_past_end"] += 1
                 continue
-            index.add(entry.key, Location(number, entry.offset, entry.length, entry.namespace))
+            namespace = namespaces.setdefault(entry.namespace, entry.namespace)
+            live[entry.key] = Location(number, entry.offset, entry.length, namespace, at)
+            keys.append(entry.key)
             end = max(end, entry.offset + entry.length)
         elif type(entry) is Deleted:
             index.remove(entry.key)

@@ -28,7 +28,7 @@ import struct
 import msgspec
 import xxhash
 
-from kvring.common.chunk import ChunkMeta
+from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
 DATA_SUFFIX = ".data"
 JOURNAL_SUFFIX = ".journal"
@@ -137,13 +137,28 @@ def encode_entry(entry: JournalEntry) -> bytes:
     return ENTRY_HEAD.pack(len(body), xxhash.xxh3_64_intdigest(body)) + body
 
 
+def decode_entry_at(data: bytes) -> JournalEntry | None:
+    """The entry ``data`` starts with, if it is whole and intact."""
+    entries, _ = decode_entries(data)
+    return entries[0][1] if entries else None
+
+
+def decode_blocks(raw: bytes | None) -> ChunkBlocks | None:
+    if raw is None:
+        return None
+    try:
+        return msgspec.msgpack.decode(raw, type=ChunkBlocks)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def blocks_bytes(meta: ChunkMeta) -> bytes | None:
     return None if meta.blocks is None else _encoder.encode(meta.blocks)
 
 
-def decode_entries(data: bytes) -> tuple[list[JournalEntry], int]:
-    """The whole entries at the start of ``data`` and the length they take; the rest (a torn or
-    corrupt tail, or nothing) is to be cut."""
+def decode_entries(data: bytes) -> tuple[list[tuple[int, JournalEntry]], int]:
+    """The whole entries at the start of ``data``, each with its offset, and the length they
+    take; the rest (a torn or corrupt tail, or nothing) is to be cut."""
     entries, pos, n = [], 0, len(data)
     head, size = ENTRY_HEAD, ENTRY_HEAD.size
     digest, decode = xxhash.xxh3_64_intdigest, _entry_decoder.decode
@@ -156,7 +171,7 @@ def decode_entries(data: bytes) -> tuple[list[JournalEntry], int]:
         if digest(body) != expected:
             break
         try:
-            entries.append(decode(body))
+            entries.append((pos, decode(body)))
         except (msgspec.DecodeError, msgspec.ValidationError):
             break
         pos = end

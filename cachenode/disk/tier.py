@@ -34,10 +34,12 @@ like a hung device; the data loop is never one of them.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import heapq
 import logging
 import os
+import struct
 import threading
 import time
 from collections import deque
@@ -45,14 +47,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import msgspec
-
 from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
 from .identity import DiskError, DiskIdentity, claim_directory, lock_directory
 from .index import DiskIndex, Location, RebuildReport, Segment, rebuild
-from .records import (DATA_SUFFIX, JOURNAL_SUFFIX, BadRecord, Deleted, Flushed, Stored, blocks_bytes, check_payload,
-                      decode_entries, encode_entry, parse_head, record_head, segment_name)
+from .records import (DATA_SUFFIX, ENTRY_HEAD, JOURNAL_SUFFIX, BadRecord, Deleted, Flushed, Stored, blocks_bytes,
+                      check_payload, decode_blocks, decode_entries, decode_entry_at, encode_entry, parse_head,
+                      record_head, segment_name)
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +218,13 @@ class DiskTier:
             self._cond.notify()
         return True
 
-    def delete_namespace(self, namespace: str) -> list[bytes]:
-        """Drop every chunk of ``namespace``; returns their keys."""
+    def location(self, key: bytes) -> Location | None:
+        with self.index.lock:
+            return self.index.entries.get(key)
+
+    def delete_namespace(self, namespace: str) -> dict[bytes, Location | None]:
+        """Drop every chunk of ``namespace``; returns their keys and where they were (None: only
+        queued)."""
         with self._cond:
             cancelled = [w for w in self._pending.values() if w.meta.namespace == namespace]
             for write in cancelled:
@@ -227,7 +233,7 @@ class DiskTier:
             removed = self.index.remove_namespace(namespace)
             self._queue.append(Flushed(namespace))
             self._cond.notify()
-        return removed + [write.key for write in cancelled]
+        return {**removed, **{write.key: None for write in cancelled}}
 
     def keys_after(self, after: bytes, limit: int) -> list[bytes]:
         with self.index.lock:
@@ -245,6 +251,28 @@ class DiskTier:
             self._readers.submit(self._read, key, location, done)
         except RuntimeError:  # shutting down
             done(ReadResult(missing="gone"))
+
+    def blocks_of(self, location: Location, done: Callable[[ChunkBlocks | None], None]) -> None:
+        """Read the vLLM blocks a chunk's journal entry records (for the KV events of a chunk
+        that leaves the disk without being in memory), on a reader thread."""
+        if location.entry >= 0 and self._readers is not None:
+            try:
+                self._readers.submit(self._read_blocks, location, done)
+            except RuntimeError:  # shutting down: no events any more
+                pass
+
+    def _read_blocks(self, location: Location, done: Callable[[ChunkBlocks | None], None]) -> None:
+        self._wait_if_stalled()
+        try:
+            with open(os.path.join(self.directory, segment_name(location.segment, JOURNAL_SUFFIX)), "rb") as f:
+                f.seek(location.entry)
+                head = f.read(ENTRY_HEAD.size)
+                body = f.read(ENTRY_HEAD.unpack(head)[0]) if len(head) == ENTRY_HEAD.size else b""
+        except (OSError, struct.error):
+            return
+        entry = decode_entry_at(head + body)
+        if type(entry) is Stored:
+            done(decode_blocks(entry.blocks))
 
     def stall(self, seconds: float) -> None:
         """Fault injection: every disk operation waits until ``seconds`` from now first."""
@@ -376,12 +404,15 @@ class DiskTier:
         if written and self.config.sync:
             os.fdatasync(self._data_fd)
         with self._cond:
+            at = self._segment.journal + sum(map(len, entries))
             for item, location in written:
                 if item.cancelled:  # deleted while it was being written
                     continue
-                self.index.add(item.key, location)
-                entries.append(encode_entry(Stored(item.key, location.offset, location.length,
-                                                   item.meta.namespace, blocks_bytes(item.meta))))
+                entry = encode_entry(Stored(item.key, location.offset, location.length, item.meta.namespace,
+                                            blocks_bytes(item.meta)))
+                self.index.add(item.key, dataclasses.replace(location, entry=at))
+                entries.append(entry)
+                at += len(entry)
                 self.counts["written"] += 1
                 self.counts["written_bytes"] += item.meta.nbytes
         if entries:
@@ -476,14 +507,8 @@ class DiskTier:
                 entries, _ = decode_entries(f.read())
         except OSError:
             return {}
-        out = {}
-        for entry in entries:
-            if type(entry) is Stored and entry.key in wanted and entry.blocks is not None:
-                try:
-                    out[entry.key] = msgspec.msgpack.decode(entry.blocks, type=ChunkBlocks)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    pass
-        return out
+        return {entry.key: decode_blocks(entry.blocks) for _, entry in entries
+                if type(entry) is Stored and entry.key in wanted and entry.blocks is not None}
 
     def _open_segment(self) -> None:
         number = self._next_number

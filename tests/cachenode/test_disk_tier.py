@@ -76,6 +76,7 @@ def test_chunks_come_back_after_a_restart_deletes_and_flushes_do_not(tmp_path):
     assert all(_same(tier, item) for item in items)
     assert tier.delete(items[0].key) and not tier.delete(items[0].key)
     assert sorted(tier.delete_namespace("b")) == sorted(item.key for item in items[10:])
+    assert items[1].key in tier
     assert _read(tier, items[0].key).missing == "gone"
     tier.close()
 

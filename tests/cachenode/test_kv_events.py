@@ -185,3 +185,44 @@ def test_the_replay_buffer_keeps_the_newest_batches_within_its_bounds():
         assert [e.block_hashes for _, b in history for e in b.events] == [_hashes(i) for i in range(40 - kept, 40)]
     finally:
         publisher.close()
+
+
+def test_with_a_disk_tier_events_follow_what_the_node_holds_not_which_tier(cluster_factory):
+    """Memory evicting a chunk to the disk, or a read bringing it back, is not announced; a chunk
+    leaving both tiers is (deleted, or its disk segment evicted); a node restarted with its disk
+    announces what it kept after its ``AllBlocksCleared``."""
+    cluster = cluster_factory(nodes=1, memory=1 << 20, disk=32 << 20, contract=Contract(chunk_size=CHUNK_TOKENS))
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        record = next(iter(client.members.values()))
+        tap = EventTap([record.events_addr])
+        time.sleep(0.3)
+        try:
+            assert client.put_many([_chunk(i) for i in range(40)]) == [1] * 40  # 2.5 MiB through 1 MiB
+            wait_for(lambda: len(stored_hashes(tap.events())) == 160, 10, "40 stores announced")
+            wait_for(lambda: client.stats()["node-0"]["disk"]["queued"] == 0, 10, "the disk writes")
+            assert client.stats()["node-0"]["evictions"] > 20
+            assert all(c is not None for c in client.get([i.to_bytes(16, "big") for i in range(40)]))  # promoted
+            time.sleep(0.5)
+            assert removed_hashes(tap.events()) == [] and len(stored_hashes(tap.events())) == 160
+            assert client.delete([(0).to_bytes(16, "big")]) == 1
+            wait_for(lambda: removed_hashes(tap.events()) == _hashes(0), 10, "the delete announced")
+
+            # Past the disk's budget its oldest segment goes: what was only there is announced removed.
+            assert client.put_many([_chunk(i) for i in range(40, 640)]) == [1] * 600
+            wait_for(lambda: client.stats()["node-0"]["disk"]["evicted"] > 0, 20, "a disk segment evicted")
+            time.sleep(0.5)
+            held = client.lookup([i.to_bytes(16, "big") for i in range(1, 640)])
+            gone = {h for i, h_ in zip(range(1, 640), held) if not h_ for h in _hashes(i)}
+            assert gone and set(removed_hashes(tap.events())) == gone | set(_hashes(0))
+        finally:
+            tap.close()
+    kept = [i for i, h in zip(range(1, 640), held) if h]
+    cluster.restart(0)
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        record = wait_for(lambda: client.members.get("node-0"), 10, "the restarted node")
+        history = wait_for(lambda: (h := replay(record.events_replay_addr)) and
+                           len(stored_hashes([e for _, b in h for e in b.events])) == 4 * len(kept) and h,
+                           20, "the restarted node announcing what its disk kept")
+        assert isinstance(history[0][1].events[0], AllBlocksCleared)
+        assert sorted(stored_hashes([e for _, b in history for e in b.events])) == sorted(
+            h for i in kept for h in _hashes(i))
