@@ -13,6 +13,9 @@ through both.  Memory is the hot tier over the disk:
 - A LOOKUP that leases chunks found only on disk (a worker is about to load them) starts reading
   them into memory at once, so the GET that follows finds them there.  At most
   ``MAX_PREFETCHES`` such reads are under way; past that a GET reads for itself.
+- What waits on a slow disk is bounded: at most ``MAX_READS`` keys are being read at once (past
+  it a GET answers the rest as misses), and a GET does not wait on a read already older than
+  the read timeout (the disk is stalled: a miss at once, not another waiter).
 
 KV events (``events.py``) follow what the node holds, not which tier: a chunk moving between
 memory and disk is not announced; one that leaves both is.  A node that restarts with chunks on
@@ -30,6 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
@@ -43,6 +47,7 @@ from .store import ChunkStore, Entry, StoreFull
 logger = logging.getLogger(__name__)
 
 MAX_PREFETCHES = 256
+MAX_READS = 4096
 
 
 class Holdings:
@@ -52,7 +57,7 @@ class Holdings:
         self.disk = disk
         self.server = server
         self.events = events
-        self._reading: dict[bytes, list[Callable[[Entry | None], None]]] = {}
+        self._reading: dict[bytes, _Read] = {}
         self.prefetched = 0
         self.read_timeouts = 0
         if events is not None:
@@ -132,7 +137,8 @@ class Holdings:
         ``done`` runs on the loop, at once if nothing needs the disk."""
         entries = [self.store.get(key) for key in keys]
         disk = self.disk
-        waiting = [i for i, e in enumerate(entries) if e is None and disk is not None and disk.holds(keys[i])]
+        waiting = [i for i, e in enumerate(entries) if e is None and disk is not None and disk.holds(keys[i])
+                   and self._can_wait(keys[i], timeout)]
         if not waiting:
             done(entries)
             return
@@ -160,12 +166,18 @@ class Holdings:
         if left:
             self.server.later(timeout, finish)
 
+    def _can_wait(self, key: bytes, timeout: float) -> bool:
+        read = self._reading.get(key)
+        if read is None:
+            return len(self._reading) < MAX_READS
+        return time.monotonic() - read.started < timeout
+
     def _read(self, key: bytes, then: Callable[[Entry | None], None]) -> None:
-        waiters = self._reading.get(key)
-        if waiters is not None:
-            waiters.append(then)
+        read = self._reading.get(key)
+        if read is not None:
+            read.waiters.append(then)
             return
-        self._reading[key] = [then]
+        self._reading[key] = _Read(time.monotonic(), [then])
         self.disk.read(key, lambda result: self.server.post(lambda: self._read_done(key, result)))
 
     def _read_done(self, key: bytes, result: ReadResult) -> None:
@@ -178,7 +190,8 @@ class Holdings:
                     entry = self.store.peek(key)
                 except StoreFull:
                     entry = Entry(result.meta, result.buf)
-        for then in self._reading.pop(key, ()):
+        read = self._reading.pop(key, None)
+        for then in read.waiters if read is not None else ():
             then(entry)
 
     # ---- KV events -------------------------------------------------------------------------
@@ -220,6 +233,14 @@ class Holdings:
                     self.events.blocks_changed(True, blocks)
                     announced += 1
         logger.info("disk %s: announced %d chunks kept over the restart", disk.directory, announced)
+
+
+@dataclass(slots=True)
+class _Read:
+    """A disk read under way and who waits for it."""
+
+    started: float  # monotonic
+    waiters: list[Callable[[Entry | None], None]]
 
 
 class _HeldEvents:

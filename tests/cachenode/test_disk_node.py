@@ -175,6 +175,27 @@ def test_a_node_sigkilled_in_a_burst_of_puts_serves_every_chunk_stored_before_it
         assert dropped["entries_past_end"] == 0  # a journal entry never names bytes not on disk
 
 
+def test_a_graceful_stop_writes_every_queued_chunk_first(cluster_factory):
+    """SIGTERM right after the last PUT is answered, with chunks still queued for the disk: the
+    node writes them all before it exits, so its restart serves every one."""
+    n = 200
+    cluster = cluster_factory(nodes=1, memory=256 << 20, disk=512 << 20, lease_ttl=3,
+                              node_args=["--fault-injection"])
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=5.0) as client:
+        assert client.wait_for_nodes(1)
+        request = urllib.request.Request(cluster.nodes[0].admin_addr + "/debug/disk-stall?seconds=1",
+                                         method="POST", headers=cluster.node_auth)
+        urllib.request.urlopen(request, timeout=5).close()  # a slow disk: the PUTs outrun it
+        for start in range(0, n, 50):
+            assert client.put_many([_item(i) for i in range(start, start + 50)]) == [1] * 50
+        assert _disk(client, "node-0")["queued"] > 0
+        cluster.restart(0)  # SIGTERM: the queue is written, then the node exits
+        assert client.wait_for_nodes(1, timeout=20)
+        assert _disk(client, "node-0")["rebuild"]["chunks"] == n
+        good, wrong = _served(client, range(n))
+        assert wrong == [] and good == list(range(n))
+
+
 def test_repair_counts_the_copies_a_restarted_node_kept(cluster_factory):
     """Two copies per chunk: a node SIGKILLed and restarted with its disk holds its copies again at
     once, so the survivors' repair passes find nothing missing and copy nothing to it."""
