@@ -65,6 +65,26 @@ class NodeMetrics:
         ):
             Gauge(name, doc, registry=r).set_function(read)
 
+    def watch_disk(self, disk) -> None:
+        """Gauges of the disk tier (``disk.tier.DiskTier``): read when scraped."""
+        r, counts = self.registry, disk.counts
+        Gauge("kvring_node_disk_bytes_used", "Bytes of the disk tier's segments", registry=r).set_function(
+            lambda: disk.index.bytes)
+        Gauge("kvring_node_disk_capacity_bytes", "The disk tier's budget in bytes", registry=r).set_function(
+            lambda: disk.config.capacity)
+        Gauge("kvring_node_disk_chunks", "Chunks on disk", registry=r).set_function(lambda: len(disk))
+        Gauge("kvring_node_disk_queued_bytes", "Bytes of chunks waiting to be written to disk",
+              registry=r).set_function(lambda: disk.queued_bytes)
+        for name, key, doc in (
+            ("written", "written", "Chunks written to disk"),
+            ("read", "reads", "Chunks read back from disk, checked"),
+            ("corrupt", "corrupt", "Chunks read from disk that failed their checks (dropped, answered as misses)"),
+            ("full", "full", "Writes that found the filesystem full (ENOSPC): the chunk stays in memory only"),
+            ("write_skipped", "write_skipped", "Chunks not written because the write queue was full"),
+            ("evicted", "evicted", "Chunks evicted from disk past its budget"),
+        ):
+            Gauge(f"kvring_node_disk_{name}_total", doc, registry=r).set_function(lambda key=key: counts[key])
+
     def refuse(self) -> None:
         self.refused.inc()
         self.refused_count += 1

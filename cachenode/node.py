@@ -138,6 +138,7 @@ class CacheNode:
             identity = DiskIdentity(cluster, config.node_id, config.contract.to_json().decode())
             self.disk = DiskTier(config.disk, identity, take=self.buffers.take)
             self.disk.open()
+            self.metrics.watch_disk(self.disk)
         self.events: NodeEvents | None = None
         if config.events is not None:
             self.events = NodeEvents(cluster, config.events)

@@ -187,6 +187,10 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self.index.entries)
 
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
     def holds(self, key: bytes) -> bool:
         """On disk now (not only queued)."""
         return key in self.index.entries

@@ -73,6 +73,11 @@ def test_a_cache_four_times_memory_is_served_whole_from_disk(cluster_factory):
         disk = _disk(client, "node-0")
         assert disk["reads"] >= n // 2 and disk["corrupt"] == 0
         assert sorted(client.list_keys("node-0")) == sorted(_key(i) for i in range(n))  # repair pages both tiers
+        with urllib.request.urlopen(cluster.nodes[0].admin_addr + "/metrics", timeout=5) as reply:
+            metrics = dict(line.rsplit(" ", 1) for line in reply.read().decode().splitlines()
+                           if line.startswith("kvring_node_disk_"))
+        assert float(metrics["kvring_node_disk_chunks"]) == n and float(metrics["kvring_node_disk_read_total"]) >= n // 2
+        assert float(metrics["kvring_node_disk_corrupt_total"]) == 0
         assert client.delete([_key(0)]) == 1 and not client.lookup([_key(0)])[0]
 
 
