@@ -301,16 +301,27 @@ class DiskTier:
 
     def _read(self, key: bytes, location: Location, done: Callable[[ReadResult], None]) -> None:
         self._wait_if_stalled()
-        path = os.path.join(self.directory, segment_name(location.segment, DATA_SUFFIX))
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            meta, buf = self._read_record(key, location)
         except FileNotFoundError:
-            done(ReadResult(missing="gone"))  # its segment was evicted since
-            return
+            result = ReadResult(missing="gone")  # its segment was evicted since
+        except BadRecord as exc:
+            self._drop_bad(key, location, str(exc))
+            result = ReadResult(missing="corrupt")
         except OSError as exc:
             self._read_failed(key, location, exc)
-            done(ReadResult(missing="error"))
-            return
+            result = ReadResult(missing="error")
+        else:
+            with self.index.lock:
+                self.counts["reads"] += 1
+                self.counts["read_bytes"] += meta.nbytes
+            result = ReadResult(meta, buf)
+        done(result)
+
+    def _read_record(self, key: bytes, location: Location) -> tuple[ChunkMeta, object]:
+        """The record at ``location``, checked whole (``BadRecord`` if it is not ``key``'s)."""
+        fd = os.open(os.path.join(self.directory, segment_name(location.segment, DATA_SUFFIX)),
+                     os.O_RDONLY | os.O_CLOEXEC)
         try:
             head = os.pread(fd, min(location.length, HEAD_READ), location.offset)
             meta, start = parse_head(head, key)
@@ -325,21 +336,10 @@ class DiskTier:
                 if n == 0:
                     raise BadRecord("record cut short by the end of its file")
                 have += n
-            check_payload(meta, buf)
-        except BadRecord as exc:
-            self._drop_bad(key, location, str(exc))
-            done(ReadResult(missing="corrupt"))
-            return
-        except OSError as exc:
-            self._read_failed(key, location, exc)
-            done(ReadResult(missing="error"))
-            return
         finally:
             os.close(fd)
-        with self.index.lock:
-            self.counts["reads"] += 1
-            self.counts["read_bytes"] += meta.nbytes
-        done(ReadResult(meta, buf))
+        check_payload(meta, buf)
+        return meta, buf
 
     def _drop_bad(self, key: bytes, location: Location, why: str) -> None:
         with self._cond:

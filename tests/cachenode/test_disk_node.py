@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 import subprocess
 import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from chunk_reader import Reader
 from polling import wait_for
 
 from kvring.cachenode.client import ClusterClient
@@ -81,36 +80,6 @@ def test_a_cache_four_times_memory_is_served_whole_from_disk(cluster_factory):
         assert client.delete([_key(0)]) == 1 and not client.lookup([_key(0)])[0]
 
 
-@dataclass
-class Reader:
-    """Reads random chunks while nodes restart, checking every byte."""
-
-    client: ClusterClient
-    count: int
-    reads: int = 0
-    misses: int = 0
-    wrong: list[int] = field(default_factory=list)
-    errors: int = 0
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        rng = random.Random(3)
-        while not self.stop.is_set():
-            picks = rng.sample(range(self.count), 8)
-            try:
-                chunks = self.client.get([_key(i) for i in picks])
-            except Exception:  # a read error is a degraded answer, not wrong KV
-                self.errors += 1
-                time.sleep(0.05)
-                continue
-            for i, chunk in zip(picks, chunks):
-                self.reads += 1
-                if chunk is None:
-                    self.misses += 1
-                elif bytes(chunk.data) != _payload(i):
-                    self.wrong.append(i)
-
-
 def test_every_node_restarted_in_turn_under_a_reader_keeps_its_chunks(cluster_factory):
     """One copy per chunk, three nodes restarted one after another: without a disk the roll
     loses every chunk (each node comes back empty); with one, at least 99 % (in practice all)
@@ -124,7 +93,7 @@ def test_every_node_restarted_in_turn_under_a_reader_keeps_its_chunks(cluster_fa
         for start in range(0, n, 50):
             assert client.put_many([_item(i) for i in range(start, start + 50)]) == [1] * 50
         wait_for(lambda: _settled(client, node_ids), 20, "the disk writes")
-        reader = Reader(reading, n)
+        reader = Reader(reading, n, _key, _payload, batch=8)
         thread = threading.Thread(target=reader.run, daemon=True)
         thread.start()
         try:

@@ -4,12 +4,11 @@ empty lose nothing, and the survivors restore every chunk's copies in the backgr
 from __future__ import annotations
 
 import hashlib
-import random
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
+from chunk_reader import Reader
 from polling import wait_for
 
 from kvring.cachenode.client import ClusterClient
@@ -36,35 +35,6 @@ def _copied(client: ClusterClient, nodes: list[str]) -> int:
     return sum(stats[n]["repair"]["copied_total"] for n in nodes)
 
 
-@dataclass
-class Reader:
-    """Reads random chunks while nodes die and come back, checking every byte."""
-
-    client: ClusterClient
-    reads: int = 0
-    misses: int = 0
-    wrong: list[int] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        rng = random.Random(7)
-        while not self.stop.is_set():
-            picks = rng.sample(range(CHUNKS), 16)
-            try:
-                chunks = self.client.get([_key(i) for i in picks])
-            except Exception as exc:  # counted: a read error is a degraded answer, not wrong KV
-                self.errors.append(repr(exc))
-                time.sleep(0.05)
-                continue
-            for i, chunk in zip(picks, chunks):
-                self.reads += 1
-                if chunk is None:
-                    self.misses += 1
-                elif bytes(chunk.data) != _payload(i):
-                    self.wrong.append(i)
-
-
 def test_three_nodes_killed_and_restarted_empty_in_turn_lose_no_chunk(cluster_factory):
     cluster = cluster_factory(nodes=3, lease_ttl=3, contract=Contract(chunk_size=16, replication=2))
     node_ids = [n.node_id for n in cluster.nodes]
@@ -76,7 +46,7 @@ def test_three_nodes_killed_and_restarted_empty_in_turn_lose_no_chunk(cluster_fa
             assert client.put_many(items[start:start + 200]) == [2] * len(items[start:start + 200])
         assert all(n == 2 for n in client.copies(node_ids).values())
 
-        reader = Reader(reading)
+        reader = Reader(reading, CHUNKS, _key, _payload)
         thread = threading.Thread(target=reader.run, daemon=True)
         thread.start()
         restored_in: list[float] = []
