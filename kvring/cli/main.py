@@ -650,6 +650,44 @@ def bench_tls(
     run_bench_tls(TlsSettings(repetitions=repetitions), json_out=json_out, plot=plot)
 
 
+@bench_app.command("disk")
+def bench_disk(
+    parts: Annotated[str, typer.Option(help="What to measure, comma-separated: throughput (tier GB/s vs the "
+                                            "device's), rebuild (warm restart), trace (hit rate, memory only vs "
+                                            "memory + disk), ttft (vLLM, chunks from disk).")]
+        = "throughput,rebuild,trace,ttft",
+    repetitions: Annotated[int, typer.Option(help="Interleaved device and tier rounds.", min=1)] = 5,
+    tier_bytes: Annotated[str, typer.Option(help="Bytes PUT and read back per tier round (and the device's test "
+                                                 "file).")] = "1GiB",
+    chunk_bytes: Annotated[str, typer.Option(help="Bytes per chunk in the tier rounds (32 layers).")] = "4MiB",
+    max_chunks: Annotated[int | None, typer.Option(
+        help="Cap the rebuild's chunk counts (10k, 100k, 1M) at this many.", min=1)] = None,
+    restarts: Annotated[int, typer.Option(help="Cold restarts per chunk count.", min=1)] = 3,
+    trace_file: Annotated[Path | None, typer.Option(
+        "--trace", help="Trace to replay (Mooncake format) [default: shared/traces/conversation_trace.jsonl beside "
+                        "the checkout].", exists=True, dir_okay=False)] = None,
+    limit: Annotated[int, typer.Option(help="Requests of the trace replayed.", min=1)] = 2000,
+    memory: Annotated[str, typer.Option("--memory", help="Memory per node in the trace replays.")] = "16MiB",
+    tokens: Annotated[int, typer.Option(help="Prompt length of the time-to-first-token part.", min=300)] = 4096,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """The disk tier: GB/s beside the device's own, index rebuild and restart-to-first-hit for 10k-1M chunks,
+    a trace's hit rate with memory only vs memory + disk, and vLLM's time to first token from disk."""
+    from kvring.bench.disk import DiskBenchSettings, default_trace, run_bench_disk
+
+    size = _size(tier_bytes, "--tier-bytes")
+    try:
+        settings = DiskBenchSettings(
+            parts=tuple(p.strip() for p in parts.split(",") if p.strip()), repetitions=repetitions,
+            device_bytes=size, tier_bytes=size, chunk_bytes=_size(chunk_bytes, "--chunk-bytes"),
+            max_chunks=max_chunks, restarts=restarts, trace=trace_file or default_trace(), trace_limit=limit,
+            trace_memory=_size(memory, "--memory"), tokens=tokens)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    run_bench_disk(settings, json_out=json_out, plot=plot)
+
+
 @app.command()
 def trace(
     file: Annotated[Path, typer.Argument(help="Trace in Mooncake FAST'25 format (JSON lines).", exists=True,
