@@ -17,6 +17,7 @@ also on Ctrl-C), which is also where the disk directories live:
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,6 +176,7 @@ def _throughput(etcd: str, tmp: Path, s: DiskBenchSettings, bar: _Bar) -> dict:
                     from_disk.append(t.from_disk)
                     skipped.append(t.write_skipped)
                 advance(1)
+    shutil.rmtree(root, ignore_errors=True)  # gigabytes of segments: gone before the next part
     return {"gbps": {k: summary(v) for k, v in runs.items()}, "runs": runs, "direct_io": all(direct),
             "chunks_per_round": s.tier_chunks, "chunks_read_from_disk": from_disk, "write_skipped": skipped,
             "node_memory": s.node_memory}
