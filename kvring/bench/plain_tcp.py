@@ -1,4 +1,5 @@
-"""The loopback ceiling: a plain TCP socket moving the same bytes with the least protocol possible.
+"""The loopback ceiling: a plain TCP socket moving the same bytes with the least protocol possible
+(and, over Python's own ``ssl`` with the cluster's credentials, the bare TLS loop: ``tls``).
 
 A child process (``serve``) keeps PUT payloads in memory and answers reads with them; the client
 (``PlainTcp``) sends each request with one ``sendmsg`` of header, keys and payloads, and receives
@@ -30,6 +31,7 @@ that talks to it.  An unknown op or a short read closes the connection; the clie
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -38,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvring.bench.system import BenchError, Buffer, ChunkSpec, Range, System, terminate, wait_for_port
+from kvring.common.tls import ClusterCredentials
 from kvring.local.cluster import free_port
 
 PUT, GET, STREAM, EXISTS, DELETE, STOP = range(1, 7)
@@ -48,8 +51,13 @@ IOV_MAX = 1024  # buffers per sendmsg (Linux's UIO_MAXIOV)
 
 
 def send_all(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
-    """``sendmsg`` the buffers back to back, resuming after a partial send."""
+    """``sendmsg`` the buffers back to back, resuming after a partial send (over TLS, ``sendall``
+    of each: TLS cuts them into records anyway)."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
     while views:
         sent = sock.sendmsg(views[:IOV_MAX])
         while sent:
@@ -113,15 +121,23 @@ class _Store(dict[bytes, bytearray]):
         return old is not None
 
 
-def serve(port: int) -> None:
+def serve(port: int, tls_dir: str | None = None) -> None:
     """The server (a child process): in-memory values, replies as documented above.  Connections
-    are served one after another (a readiness probe's connection simply ends); STOP exits."""
+    are served one after another (a readiness probe's connection simply ends); STOP exits.  With
+    ``tls_dir``, every connection is wrapped in TLS with those cluster credentials."""
     store = _Store()
+    context = ClusterCredentials.at(tls_dir).server_context() if tls_dir else None
     with socket.create_server(("127.0.0.1", port)) as listener:
         while True:
             conn, _ = listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if context is not None:
+                try:
+                    conn = context.wrap_socket(conn, server_side=True)
+                except OSError:  # a readiness probe, or a peer without the credentials
+                    conn.close()
+                    continue
             with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if _serve_connection(conn, store):
                     return
 
@@ -160,22 +176,27 @@ def _serve_connection(conn: socket.socket, store: _Store) -> bool:
 
 
 class PlainTcp(System):
-    """Client of ``serve`` in a child interpreter on a free loopback port."""
+    """Client of ``serve`` in a child interpreter on a free loopback port; with ``tls``, the
+    bare TLS loop: the same bytes through Python's ``ssl`` (TLS 1.3, the cluster's credentials)."""
 
     key, label = "tcp", "plain TCP"
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, timeout: float = 60.0, tls: ClusterCredentials | None = None) -> None:
         port = free_port()
+        if tls is not None:
+            self.key, self.label = "bare-tls", "bare ssl loop"
+        tls_dir = repr(str(tls.directory)) if tls is not None else None
         # A plain child interpreter, not multiprocessing: works whatever the caller's __main__ is.
-        self.proc = subprocess.Popen([sys.executable, "-P", "-c", f"from {__name__} import serve; serve({port})"],
-                                     start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", f"from {__name__} import serve; "
+                                      f"serve({port}, {tls_dir})"], start_new_session=True)
         try:
-            wait_for_port(port, self.proc, "the plain TCP server")
-            self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+            wait_for_port(port, self.proc, f"the {self.label} server")
+            sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = tls.client_context().wrap_socket(sock) if tls is not None else sock
         except BaseException:
             terminate(self.proc)
             raise
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = np.empty(0, dtype=np.uint8)  # the preallocated receive buffer, grown when needed
 
     def _request(self, op: int, keys: Sequence[bytes], a: int = 0, b: int = 0,
@@ -187,13 +208,13 @@ class PlainTcp(System):
         try:
             send_all(self.sock, [b"".join(head), *payloads])
         except OSError as exc:
-            raise BenchError(f"plain TCP server: {exc}") from exc
+            raise BenchError(f"{self.label} server: {exc}") from exc
 
     def _recv(self, n: int) -> bytes:
         try:
             return _recv(self.sock, n)
         except OSError as exc:
-            raise BenchError(f"plain TCP server: {exc}") from exc
+            raise BenchError(f"{self.label} server: {exc}") from exc
 
     def _room(self, nbytes: int) -> None:
         if self.buf.nbytes < nbytes:
@@ -210,7 +231,7 @@ class PlainTcp(System):
         try:
             recv_exact(self.sock, view[offset:end])
         except OSError as exc:
-            raise BenchError(f"plain TCP server: {exc}") from exc
+            raise BenchError(f"{self.label} server: {exc}") from exc
         out: list[memoryview | None] = []
         for length in lengths:
             out.append(None if length < 0 else view[offset:offset + length])

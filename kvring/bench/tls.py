@@ -1,14 +1,20 @@
-"""`kvring bench tls`: what the encrypted data plane costs, next to the plain one.
+"""`kvring bench tls`: what the encrypted data plane costs, next to the plain one and next to
+the best Python's ``ssl`` does on this machine.
 
 One run: two 1-node clusters on one local etcd, one whose node requires the cluster's
-credentials (mutual TLS 1.3) and one on plain TCP, each with its client.  Every repetition
-PUTs, then GETs (whole, and streamed layer by layer) ``chunks`` chunks of each size on both,
-the two systems interleaved (their order alternating), every byte read back compared.
-Reported: GB/s medians over the repetitions with their spread, and the TLS/plain ratio.
+credentials (mutual TLS 1.3) and one on plain TCP, each with its client; and two baselines
+(``plain_tcp.py``): the bare TLS loop -- a server and a client with the least protocol
+possible, the same credentials, TLS 1.3 through Python's ``ssl``, every message received with
+``recv_into`` into one preallocated buffer -- and the same loop on a plain TCP socket (the
+loopback ceiling).  Every repetition PUTs, then GETs (whole, and streamed layer by layer)
+``chunks`` chunks of each size on all four, interleaved (their order rotating), every byte read
+back compared.  Reported: GB/s medians over the repetitions with their spread, kvring's TLS
+against the bare TLS loop, and against kvring on plain TCP.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,13 +25,16 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvring.bench.plain_tcp import PlainTcp
 from kvring.bench.report import grouped_bars, write_outputs
+from kvring.bench.system import ChunkSpec
 from kvring.common.chunk import ChunkItem
 from kvring.common.units import format_size
 from kvring.local.cluster import LocalCluster, LocalEtcd
 from kvring.local.rundir import run_directory
 
-SYSTEMS = ("plain", "tls")
+SYSTEMS = ("plain", "tls", "bare-tls", "tcp")
+LABELS = {"plain": "kvring plain", "tls": "kvring TLS", "bare-tls": "bare ssl loop", "tcp": "raw TCP socket"}
 OPS = ("PUT", "GET whole", "GET stream")
 
 
@@ -57,6 +66,27 @@ def _round(client, items: list[ChunkItem], data: bytes) -> dict[str, float]:
     return {"PUT": t1 - t0, "GET whole": t2 - t1, "GET stream": t3 - t2}
 
 
+def _baseline_round(system, items: list[ChunkItem], data: bytes, layers: int) -> dict[str, float]:
+    """The same round on a baseline (``plain_tcp.PlainTcp``, bare or over TLS)."""
+    keys, payloads = [it.key for it in items], [it.payload for it in items]
+    spec = ChunkSpec(format_size(len(data)), "", (layers, len(data) // layers // 2))
+    system.attach(spec, payloads)
+    t0 = time.perf_counter()
+    assert system.put(keys, payloads, spec)
+    t1 = time.perf_counter()
+    got = system.get(keys, spec, None)
+    t2 = time.perf_counter()
+    if any(v is None or memoryview(v).nbytes != len(data) or bytes(memoryview(v)[:4096]) != data[:4096] for v in got):
+        raise RuntimeError(f"{system.label}: a chunk came back wrong")
+    streamed = system.stream(keys, spec)
+    t3 = time.perf_counter()
+    if sum(memoryview(v).nbytes for layer in streamed for v in layer) != len(data) * len(keys):
+        raise RuntimeError(f"{system.label}: the streamed bytes do not add up")
+    system.clear(keys)
+    system.detach()
+    return {"PUT": t1 - t0, "GET whole": t2 - t1, "GET stream": t3 - t2}
+
+
 def _measure(etcd: str, s: TlsSettings, gbps: dict, console: Console) -> None:
     from kvring.cachenode.client import ClusterClient
 
@@ -65,8 +95,10 @@ def _measure(etcd: str, s: TlsSettings, gbps: dict, console: Console) -> None:
             LocalCluster(nodes=1, memory=memory, etcd=etcd, cluster="bench-tls", tls=True) as tls, \
             ClusterClient(etcd, cluster="bench-plain") as plain_client, \
             ClusterClient(etcd, cluster="bench-tls", tls=tls.tls) as tls_client, \
+            contextlib.closing(PlainTcp(tls=tls.tls)) as bare_tls, contextlib.closing(PlainTcp()) as tcp, \
             Progress(console=console) as progress:
         clients = {"plain": plain_client, "tls": tls_client}
+        baselines = {"bare-tls": bare_tls, "tcp": tcp}
         for c in clients.values():
             c.wait_for_nodes(1)
             c.reserve_buffers(min(256 << 20, max(s.sizes) * s.chunks))
@@ -76,8 +108,11 @@ def _measure(etcd: str, s: TlsSettings, gbps: dict, console: Console) -> None:
                 data = np.random.default_rng(size + rep).bytes(size)
                 items = [ChunkItem.of(b"tls-bench-%d-%d" % (size, i), data, (s.layers, size // s.layers), "uint8", 256)
                          for i in range(s.chunks)]
-                for name in (SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]):
-                    for op, seconds in _round(clients[name], items, data).items():
+                order = SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[:rep % len(SYSTEMS)]
+                for name in order:
+                    seconds_by_op = (_round(clients[name], items, data) if name in clients
+                                     else _baseline_round(baselines[name], items, data, s.layers))
+                    for op, seconds in seconds_by_op.items():
                         gbps[format_size(size)][op][name].append(size * s.chunks / seconds / 1e9)
                 progress.advance(task)
 
@@ -95,21 +130,26 @@ def run_bench_tls(settings: TlsSettings, json_out: Path | None = None, plot: Pat
             etcd.close()
     results = {"settings": {"sizes": list(s.sizes), "chunks": s.chunks, "layers": s.layers,
                             "repetitions": s.repetitions}, "gbps": gbps}
-    table = Table(title=f"1 node over loopback, plain TCP vs mutual TLS 1.3: GB/s, median of {s.repetitions} "
-                        f"interleaved rounds of {s.chunks} chunks (min-max)")
-    for col in ("size", "operation", "plain", "tls", "tls / plain"):
+    ratios = {size: {op: {"tls / bare-tls": round(statistics.median(by["tls"]) / statistics.median(by["bare-tls"]), 3),
+                          "tls / plain": round(statistics.median(by["tls"]) / statistics.median(by["plain"]), 3)}
+                     for op, by in ops.items()} for size, ops in gbps.items()}
+    results["ratios"] = ratios
+    table = Table(title=f"1 node over loopback, mutual TLS 1.3 vs the bare ssl loop and plain TCP: GB/s, median of "
+                        f"{s.repetitions} interleaved rounds of {s.chunks} chunks (min-max)")
+    for col in ("size", "operation", *(LABELS[sys] for sys in SYSTEMS), "TLS / bare ssl", "TLS / plain"):
         table.add_column(col, justify="right")
     for size, ops in gbps.items():
         for op, by in ops.items():
             med = {sys: statistics.median(v) for sys, v in by.items()}
             table.add_row(size, op, *(f"{med[sys]:.2f} ({min(by[sys]):.2f}-{max(by[sys]):.2f})" for sys in SYSTEMS),
-                          f"{med['tls'] / med['plain']:.2f}")
+                          f"{ratios[size][op]['tls / bare-tls']:.2f}", f"{ratios[size][op]['tls / plain']:.2f}")
     console.print(table)
 
     def draw(res: dict, path: Path) -> None:
         groups = [f"{op} {size}" for size, ops in res["gbps"].items() for op in ops]
         series = {sys: [statistics.median(by[sys]) for ops in res["gbps"].values() for by in ops.values()]
                   for sys in SYSTEMS}
-        grouped_bars(path, groups, series, "GB/s", title="Data plane: plain TCP vs mutual TLS (1 node, loopback)")
+        grouped_bars(path, groups, {LABELS[sys]: v for sys, v in series.items()}, "GB/s",
+                     title="Data plane: mutual TLS vs the bare ssl loop and plain TCP (1 node, loopback)")
     write_outputs(console, results, json_out, plot, draw)
     return results
