@@ -18,7 +18,11 @@ class LoadSpec:
     keys: list[bytes]
     start: int  # first token of the first chunk (vLLM's cached prefix rounded down to a chunk)
     write_from: int  # first token actually written (tokens before it are already in vLLM)
-    end: int  # one past the last token to write (at most the prompt length - 1)
+    end: int  # one past the last token to write: the end of a block (at most the prompt's end)
+    # The token vLLM computes from (the hit it was told); a load whose ``end`` is past it also
+    # writes the slots vLLM computes in this step (the rest of the last token's block), so it
+    # lands before the forward, and vLLM's own write of those tokens after it.
+    computed_from: int | None = None
     # async mode: load between steps while the request waits (done through get_finished), and
     # abandon the load (its blocks recompute) after this many seconds.
     asynchronous: bool = False

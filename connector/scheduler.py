@@ -214,11 +214,24 @@ class SchedulerSide:
         return new, self.config.load_mode == "async"
 
     def _load_end(self, chunks: int, n_tokens: int) -> int:
-        """The token a load of a prompt's first ``chunks`` chunks ends at."""
-        # A partial last chunk (save_unfull_chunk) covers only the prompt's remaining tokens.
-        # At least the last prompt token is always computed, and vLLM takes external hits in
-        # whole blocks: a full hit loads up to the last block boundary before the last token.
-        return max(0, min(chunks * self.chunk, n_tokens, (n_tokens - 1) // self.block_size * self.block_size))
+        """The token a load of a prompt's first ``chunks`` chunks ends at (what vLLM is told)."""
+        # vLLM computes at least the prompt's last token.  Loads copy whole blocks only: vLLM's
+        # CPU kernel keeps a block's K transposed ([head_size, block_size]) behind the
+        # standardized view, so part of a block is not a run of view rows.  A hit of whole
+        # chunks that ends exactly at the prompt's end therefore loads every token but the last
+        # (its copy takes the last block whole, ``_copy_end``); any other full hit (a partial
+        # last chunk, a hybrid layout's windows) ends at the last block boundary before it.
+        end = min(chunks * self.chunk, n_tokens)
+        if end < n_tokens:
+            return max(0, end)
+        if not self.windows and n_tokens % self.block_size == 0 and chunks * self.chunk == n_tokens:
+            return n_tokens - 1
+        return max(0, (n_tokens - 1) // self.block_size * self.block_size)
+
+    def _copy_end(self, hit_tokens: int, n_tokens: int) -> int:
+        """One past the last token a load that ends (for vLLM) at ``hit_tokens`` copies: the
+        prompt's end when vLLM computes only its last token (that block is copied whole)."""
+        return n_tokens if hit_tokens == n_tokens - 1 and n_tokens % self.block_size == 0 else hit_tokens
 
     # ---- allocation and the step plan -------------------------------------------------------
 
@@ -235,12 +248,13 @@ class SchedulerSide:
         last = -(-hit_tokens // self.chunk)
         keys = lookup.keys[start // self.chunk:last]
         window_from = {w: window_start(hit_tokens, w, self.block_size) for w in self.windows}
+        end = self._copy_end(hit_tokens, len(lookup.inputs.tokens))
         if self.config.load_mode == "async":
-            load = LoadSpec(keys, start, vllm_cached, hit_tokens, asynchronous=True,
+            load = LoadSpec(keys, start, vllm_cached, end, asynchronous=True, computed_from=hit_tokens,
                             deadline_s=self.cost.deadline_s(num_external_tokens), window_from=window_from)
             self._async_loads[request.request_id] = (load, [list(b) for b in blocks.get_block_ids()])
         else:
-            self._pending_load[request.request_id] = LoadSpec(keys, start, vllm_cached, hit_tokens,
+            self._pending_load[request.request_id] = LoadSpec(keys, start, vllm_cached, end, computed_from=hit_tokens,
                                                               window_from=window_from)
 
     def build_connector_meta(self, scheduler_output) -> KVRingMetadata:

@@ -339,7 +339,10 @@ class WorkerSide:
         self.copies.reset()
         job = _LoadJob(self, loads)
         self._load = job
-        if self.config.load_mode == "bulk":
+        # A load that reaches slots this step computes (a full hit's last block) is written
+        # before the forward: vLLM writes those tokens' K/V before it waits for a layer's load.
+        if self.config.load_mode == "bulk" or any(r.load.computed_from is not None and r.load.end > r.load.computed_from
+                                                  for r in loads):
             job.run()
             self._failed |= job.failed_blocks
         else:

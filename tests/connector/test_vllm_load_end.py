@@ -1,0 +1,77 @@
+"""Where a load ends, proven on the KV bytes: a fully cached prompt loads every token but the
+last, and what a load writes is byte for byte what the instance that stored it held.
+
+vLLM's CPU kernel keeps a block's K transposed behind the standardized ``[B, H, N, C]`` view, so
+a copy of part of a block through view rows moves the wrong bytes (the V of most of its tokens
+stays behind, and the K of the token vLLM computes is overwritten).  Loads therefore copy whole
+blocks; these tests read every token's K|V where the kernel keeps it (``kv_dump.token_index``)
+and compare the loading instance's cache with the storing one's at every loaded position.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvring.local.cluster import LocalCluster
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from kv_dump import token_index  # noqa: E402
+
+
+def test_cpu_kernel_keeps_a_blocks_k_transposed():
+    """Token ``t`` of a block is not view row ``t``: its K is column ``t`` of the first
+    ``head_size`` rows, its V half of row ``block_size / 2 + t // 2``."""
+    index = token_index(torch.bfloat16, 2, 128, 64)
+    rows, cols = index // 128, index % 128
+    for t in (0, 75, 127):
+        assert rows[t, :64].tolist() == list(range(64)) and set(cols[t, :64].tolist()) == {t}
+        assert set(rows[t, 64:].tolist()) == {64 + t // 2}
+
+
+def _dump(tmp: Path, name: str, spec: dict) -> list[dict]:
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    (tmp / name).mkdir()
+    proc = subprocess.run([sys.executable, "-P", str(HERE / "kv_dump.py"), str(tmp / f"{name}.json"), str(tmp / name)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads((tmp / name / "out.json").read_text())["results"]
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per layer and token: every byte of K|V of every head equal."""
+    return (x.view(torch.int16) == y.view(torch.int16)).all(dim=3).all(dim=2)
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "bulk", "async"])
+def test_loaded_kv_is_the_stored_kv_to_the_byte(etcd_server, mode, tmp_path):
+    from kvring.engine.run import write_tiny_llama
+
+    model = str(write_tiny_llama(tmp_path / "model"))
+    rng = np.random.default_rng(1)
+    # 4 whole chunks (all cached: every token but the last); 4 chunks and a partial one of 76
+    # tokens (save_unfull_chunk: loaded up to the block boundary before the last token);
+    # 3 chunks and a partial one ending mid-block; 8 whole chunks.
+    prompts = [rng.integers(10, 2000, size=n).tolist() for n in (1024, 1100, 1000, 2048)]
+    loaded = [1023, 1024, 896, 2047]
+    with LocalCluster(nodes=2, memory=256 << 20, etcd=etcd_server.endpoint, cluster=f"load-end-{mode}") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "save_unfull_chunk": True, "load_mode": mode}
+        a = _dump(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p} for p in prompts]})
+        b = _dump(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
+            *({"tokens": p} for p in prompts), *({"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts))]})
+    assert [r["cached"] for r in a] == [0] * len(prompts)
+    assert [r["cached"] for r in b] == loaded + [0] * len(prompts)
+    k = len(prompts)
+    for i, n in enumerate(loaded):
+        stored, got, recomputed = (torch.load(tmp_path / d / f"kv-{j}.pt") for d, j in (("A", i), ("B", i), ("B", k + i)))
+        assert _same(stored, recomputed).all(), "a prefill of the same prompt is bit-stable"
+        bad = (~_same(got, stored)[:, :n]).nonzero().tolist()
+        assert not bad, f"prompt {i}: (layer, token) loaded with other bytes than stored: {bad[:8]}"
+        assert b[i]["tokens"] == b[k + i]["tokens"] == a[i]["tokens"]
