@@ -47,6 +47,7 @@ FIRST_BUFFER = 16 << 10  # a receive buffer's size at a connection's first read
 _DIRECT = 64 << 10  # segments this large are not waited for in the receive buffer (see FrameReader)
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # A non-blocking socket (plain or TLS) that cannot move bytes now.
+TLS_READ_BYTES = 1 << 20  # read on one TLS socket in one ``FrameReader.read`` while it has more
 WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -183,14 +184,17 @@ class FrameReader:
 
     def read(self, sock: socket.socket) -> list[Message]:
         """One ``recv_into`` (the socket is non-blocking) and every message it completes; over
-        TLS, more while the TLS layer holds decrypted bytes (a poll would not see those).
+        TLS, which gives at most one record (16 KiB) a call, more: while the TLS layer holds
+        decrypted bytes (a poll would not see those), and on up to ``TLS_READ_BYTES`` while the
+        socket has more, so that a large message costs the caller's loop one turn per
+        ``TLS_READ_BYTES``, not one per record.
 
         Raises ``ConnectionClosed`` on EOF or a broken connection, ``FramingError`` on input
         beyond the limits; returns ``[]`` if nothing could be read yet."""
         messages = self._read_once(sock)
         if isinstance(sock, ssl.SSLSocket):
             got = self.received
-            while self.received and sock.pending():
+            while self.received and (sock.pending() or got < TLS_READ_BYTES):
                 messages += self._read_once(sock)
                 got += self.received
             self.received = got

@@ -27,7 +27,9 @@ def test_demo_second_instance_loads_instead_of_recomputing(tmp_path):
         shutil.rmtree(scratch, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "B: loaded from kvring" in proc.stdout and "identical" in proc.stdout
-    rows = json.loads(out_json.read_text())["rows"]
+    results = json.loads(out_json.read_text())
+    assert results["tls"] is True and "mutual TLS" in proc.stdout  # as `kvring up` runs the data plane
+    rows = results["rows"]
     # A computed both prompts (1068 tokens: 4 whole chunks), B loads the 4 whole chunks of each.
     assert rows[0]["loaded_by_a"] == 0
     assert [r["loaded_by_b"] for r in rows] == [1024, 1024]

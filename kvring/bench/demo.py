@@ -40,7 +40,9 @@ def workload(prefix_tokens: int, suffix_tokens: int, count: int, seed: int = 0) 
 
 def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suffix_tokens: int = 1024,
              prompts: int = 3, mode: str = "layerwise", plot: Path | None = None,
-             json_out: Path | None = None, dtype: str = "float32") -> dict:
+             json_out: Path | None = None, dtype: str = "float32", tls: bool = True) -> dict:
+    """A computes the workload and saves it, B loads it, C recomputes it; ``tls``: the data plane
+    as `kvring up` runs it (mutual TLS), or plain TCP."""
     console = Console(width=None if Console().is_terminal else 160)
     items = workload(prefix_tokens, suffix_tokens, prompts)
     # The model, the instances' logs and every file vLLM and torch write: removed however the run ends.
@@ -51,8 +53,8 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
         model = str(write_tiny_llama(tmp / "model", layers=layers, hidden=hidden, heads=8, kv_heads=4,
                                      vocab=32000, head_dim=128))
         bar.update(task, description="starting etcd and 3 cache nodes ...")
-        with LocalCluster(nodes=3, memory=2 << 30, cluster="demo") as cluster:
-            conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": mode}
+        with LocalCluster(nodes=3, memory=2 << 30, cluster="demo", tls=tls) as cluster:
+            conn = cluster.connector(load_mode=mode)
             spec = {"model": model, "connector": conn, "max_tokens": MAX_TOKENS, "dtype": dtype,
                     "max_model_len": max(8192, prefix_tokens + suffix_tokens + 64)}
             bar.update(task, description="instance A: computing the workload, saving to kvring ...")
@@ -70,7 +72,8 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
                      "identical": ra["tokens"] == rb["tokens"],
                      "same_as_recompute": next((k for k, (x, y) in enumerate(zip(rb["tokens"], rc["tokens"])) if x != y),
                                                len(rb["tokens"]))})
-    title = f"kvring demo: {layers}-layer hidden-{hidden} Llama ({dtype}) on CPU, {mode} loads"
+    title = (f"kvring demo: {layers}-layer hidden-{hidden} Llama ({dtype}) on CPU, {mode} loads, "
+             f"{'mutual TLS' if tls else 'plain TCP'}")
     table = Table(title=title, caption=f"on {machine()}; B = recompute: how many of B's {MAX_TOKENS} greedy tokens "
                                        "match a recomputing instance's")
     for col in COLUMNS:
@@ -83,7 +86,7 @@ def run_demo(layers: int = 6, hidden: int = 1024, prefix_tokens: int = 3072, suf
                       "identical" if r["identical"] else "DIFFER",
                       f"all {MAX_TOKENS} tokens" if same == MAX_TOKENS else f"first {same} of {MAX_TOKENS}")
     console.print(table)
-    results = {"layers": layers, "hidden": hidden, "mode": mode, "dtype": dtype, "title": title,
+    results = {"layers": layers, "hidden": hidden, "mode": mode, "dtype": dtype, "tls": tls, "title": title,
                "machine": machine(), "rows": rows}
     write_outputs(console, results, json_out, plot, _plot)
     return results

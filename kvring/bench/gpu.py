@@ -56,7 +56,6 @@ from kvring.common.errors import KVRingError
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.copies import buffer_runs, copies_for, slot_runs
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta
-from kvring.connector.parts import ChunkPart
 from kvring.connector.cache_layouts import LAYOUTS, vllm_views
 from kvring.connector.worker import WorkerSide
 

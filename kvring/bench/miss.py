@@ -72,6 +72,7 @@ class MissSettings:
     vocab: int = 32000
     memory: int = 2 << 30  # cache budget per node
     omp_bind: str = "same"  # "same": both engines' threads on every allowed CPU; "vllm": vLLM's auto binding
+    tls: bool = True  # the data plane as `kvring up` runs it (mutual TLS); False: plain TCP
 
     def __post_init__(self) -> None:
         if self.omp_bind not in OMP_BINDS:
@@ -137,14 +138,14 @@ def run_bench_miss(settings: MissSettings = MissSettings(), json_out: Path | Non
                                              intermediate=s.intermediate))
                 bar.advance(task)
                 bar.update(task, description="starting etcd and 3 cache nodes")
-                with LocalCluster(nodes=3, memory=s.memory, cluster="bench-miss") as cluster:
+                with LocalCluster(nodes=3, memory=s.memory, cluster="bench-miss", tls=s.tls) as cluster:
                     bar.advance(task)
                     bar.update(task, description="starting both vLLM instances (and a warm-up batch each)")
                     warmup = _prompts(s, 0, s.warmup_prompts, seed=1)
                     batches = [_prompts(s, s.warmup_prompts + r * s.prompts, s.prompts, seed=100 + r)
                                for r in range(s.repetitions)]
                     base = {"model": model, "max_tokens": 1, "max_model_len": max(8192, s.tokens + 64)}
-                    conn = {"etcd": cluster.etcd, "cluster": cluster.cluster}
+                    conn = cluster.connector()
                     (tmp / "vllm-tmp").mkdir()
                     for e, name in enumerate(ENGINES):
                         spec = _spec({**base, "connector": conn if name == "kvring" else None}, tmp, e, warmup, batches)
@@ -201,7 +202,7 @@ def _results(s: MissSettings, outs: list[dict], elapsed: float, bind: str | None
     results = {"model": {"layers": s.layers, "hidden": s.hidden, "intermediate": s.intermediate, "heads": s.heads,
                          "kv_heads": s.kv_heads, "head_dim": s.head_dim, "vocab": s.vocab},
                "prompts": s.prompts, "tokens": s.tokens, "repetitions": s.repetitions,
-               "omp_bind": s.omp_bind, "omp_cpus": bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+               "omp_bind": s.omp_bind, "tls": s.tls, "omp_cpus": bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                "summary": summ, "runs": reps, "elapsed_s": elapsed}
     results["notes"] = _notes(results)
     return results
@@ -241,7 +242,8 @@ def _table(results: dict) -> Table:
     m, summ = results["model"], results["summary"]
     table = Table(title=f"kvring bench miss: 0 % hits, {results['prompts']} prompts x {results['tokens']} tokens "
                         f"in one batch, {m['layers']}-layer hidden-{m['hidden']} Llama (MLP {m['intermediate']}) "
-                        f"on CPU, 3 nodes; median (min-max) of {results['repetitions']}")
+                        f"on CPU, 3 nodes ({'mutual TLS' if results['tls'] else 'plain TCP'}); median (min-max) of "
+                        f"{results['repetitions']}")
     for col in ("engine", "prompt tokens/s", "batch", "vs no connector", "hook s", "hook share", "lookups",
                 "past deadline", "saved"):
         table.add_column(col, justify="right", overflow="fold")

@@ -56,6 +56,7 @@ class SlowNodeSettings:
     heads: int = 8
     kv_heads: int = 4
     memory: int = 512 << 20
+    tls: bool = True  # the data plane as `kvring up` runs it (mutual TLS); False: plain TCP
 
     @classmethod
     def quick(cls) -> SlowNodeSettings:
@@ -122,9 +123,9 @@ def run_bench_slow_node(settings: SlowNodeSettings = SlowNodeSettings(), json_ou
                                              kv_heads=s.kv_heads, intermediate=s.intermediate))
                 bar.advance(task)
                 bar.update(task, description="starting etcd and 3 cache nodes")
-                with LocalCluster(nodes=3, memory=s.memory, cluster="bench-slow-node") as cluster:
+                with LocalCluster(nodes=3, memory=s.memory, cluster="bench-slow-node", tls=s.tls) as cluster:
                     victim = cluster.nodes[0]
-                    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+                    with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
                         client.wait_for_nodes(3)
                         layout = layout_of({"model": model}, client.contract.chunk_size)
                         prompts = _placed_prompts(layout, client, sum(s.prompts_per_phase), s.tokens,
@@ -140,7 +141,7 @@ def run_bench_slow_node(settings: SlowNodeSettings = SlowNodeSettings(), json_ou
                                   {"wait_for": str(tmp / f"{phase}-go"), "timeout": STEP_TIMEOUT_S}]
                         steps += [{"tokens": p} for p in prompts[i:i + n]]
                         i += n
-                    conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": "async"}
+                    conn = cluster.connector(load_mode="async")
                     if s.lookup_deadline_ms is not None:
                         conn["lookup_deadline_ms"] = s.lookup_deadline_ms
                     spec = {"model": model, "max_tokens": 1, "prompts": steps, "connector": conn}
@@ -194,7 +195,7 @@ def _results(s: SlowNodeSettings, out: dict) -> dict:
                           "median_ttft": statistics.median(r["ttft"] for r in mine),
                           "median_recompute_ttft": statistics.median(r["recompute_ttft"] for r in mine)}
     return {"settings": {"tokens": s.tokens, "stop_ms": s.stop_ms, "run_ms": s.run_ms, "layers": s.layers,
-                         "lookup_deadline_ms": s.lookup_deadline_ms,
+                         "lookup_deadline_ms": s.lookup_deadline_ms, "tls": s.tls,
                          "hidden": s.hidden, "prompts_per_phase": list(s.prompts_per_phase)},
             "rows": rows, "summary": summary, "all_same_tokens": all(r["same_tokens"] for r in rows)}
 
@@ -205,7 +206,7 @@ def _table(results: dict) -> Table:
     table = Table(title=f"kvring bench slow-node: async loads, {st['tokens']}-token prompts, "
                         f"{st['layers']}-layer hidden-{st['hidden']} Llama on CPU; slowed = the owner stopped "
                         f"{st['stop_ms']:.0f} ms of every {st['stop_ms'] + st['run_ms']:.0f} ms; lookup deadline "
-                        f"{deadline}")
+                        f"{deadline}; {'mutual TLS' if st['tls'] else 'plain TCP'}")
     for col in ("phase", "prompt", "decision", "tokens loaded", "TTFT", "its recompute", "tokens = computed"):
         table.add_column(col, justify="right")
     for r in results["rows"]:

@@ -41,6 +41,8 @@ VerboseOpt = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Log at DEBUG level, and print the traceback of an error (for a bug report).")]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")]
 PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot.")]
+BenchTlsOpt = Annotated[bool, typer.Option(help="Mutual TLS on the data plane, as `kvring up` runs it (--no-tls: "
+                                                "plain TCP, to compare).")]
 
 
 def _size(value: str, flag: str, *, zero: bool = False) -> int:
@@ -367,6 +369,7 @@ def demo(
     plot: PlotOpt = None,
     json_out: JsonOpt = None,
     dtype: Annotated[str, typer.Option(help="Model dtype: float32 (exact comparisons) or bfloat16.")] = "float32",
+    tls: BenchTlsOpt = True,
 ) -> None:
     """Two vLLM instances share prefixes through a local cluster; B loads what A computed. Its model, logs and
     processes live in a temporary directory removed at the end (also on Ctrl-C, SIGTERM or SIGHUP)."""
@@ -376,7 +379,7 @@ def demo(
         raise typer.BadParameter(f"{mode!r}: use layerwise or bulk", param_hint="--mode")
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"{dtype!r}: use float32 or bfloat16", param_hint="--dtype")
-    result = run_demo(layers, hidden, prefix_tokens, suffix_tokens, prompts, mode, plot, json_out, dtype)
+    result = run_demo(layers, hidden, prefix_tokens, suffix_tokens, prompts, mode, plot, json_out, dtype, tls)
     if not all(r["identical"] for r in result["rows"]):
         raise typer.Exit(1)
 
@@ -565,11 +568,14 @@ def bench_miss(
                                                "a KV connector is configured.")] = "same",
     quick: Annotated[bool, typer.Option(help="A toy model and 2 batches of 8 x 512 tokens (smoke test); "
                                               "ignores the size options.")] = False,
+    tls: BenchTlsOpt = True,
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
     """At 0 % hits: prompt throughput of one vLLM engine with kvring vs without a connector, and the
     share of the run its scheduler hooks took."""
+    import dataclasses
+
     from kvring.bench.miss import OMP_BINDS, MissSettings, run_bench_miss
 
     if omp_bind not in OMP_BINDS:
@@ -577,7 +583,7 @@ def bench_miss(
     settings = MissSettings.quick(omp_bind) if quick else MissSettings(
         prompts=prompts, tokens=tokens, repetitions=repetitions, layers=layers, hidden=hidden,
         intermediate=intermediate, memory=_size(memory, "--memory"), omp_bind=omp_bind)
-    run_bench_miss(settings, json_out=json_out, plot=plot)
+    run_bench_miss(dataclasses.replace(settings, tls=tls), json_out=json_out, plot=plot)
 
 
 @bench_app.command("slow-node")
@@ -587,6 +593,7 @@ def bench_slow_node(
     lookup_deadline_ms: Annotated[float | None, typer.Option(
         help="The connector's lookup_deadline_ms [default: the connector's].", min=0)] = None,
     quick: Annotated[bool, typer.Option(help="A toy model and fewer, shorter prompts (smoke test).")] = False,
+    tls: BenchTlsOpt = True,
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -597,7 +604,8 @@ def bench_slow_node(
     from kvring.bench.slow_node import SlowNodeSettings, run_bench_slow_node
 
     settings = SlowNodeSettings.quick() if quick else SlowNodeSettings()
-    run_bench_slow_node(dataclasses.replace(settings, stop_ms=stop_ms, run_ms=run_ms, lookup_deadline_ms=lookup_deadline_ms),
+    run_bench_slow_node(dataclasses.replace(settings, stop_ms=stop_ms, run_ms=run_ms, lookup_deadline_ms=lookup_deadline_ms,
+                                            tls=tls),
                         json_out=json_out, plot=plot)
 
 

@@ -319,6 +319,12 @@ class LocalCluster:
             raise
         return self
 
+    def connector(self, **extra) -> dict:
+        """The connector settings (``kv_connector_extra_config``) that point a vLLM instance at this
+        cluster, with its credentials when it runs TLS; ``extra`` adds more (``load_mode``, ...)."""
+        tls = {"tls_dir": str(self.tls.directory)} if self.tls is not None else {}
+        return {"etcd": self.etcd, "cluster": self.cluster, **tls, **extra}
+
     @property
     def node_auth(self) -> dict[str, str]:
         """The HTTP header a request to a node's guarded admin endpoints needs."""
