@@ -189,13 +189,14 @@ def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
     assert MODES == ("layerwise", "bulk", "async")
     load = {"ttft": 0.1, "loaded_tokens": 768, "identical": True, "load_bytes": 9 << 20, "load_seconds": 0.01,
             "load_chunks": 3}
-    results = {"model": {"layers": 2, "hidden": 256, "intermediate": 512},
+    results = {"model": {"layers": 2, "hidden": 256, "intermediate": 512}, "tls": True,
                "rows": [{"tokens": 1024, "recompute_ttft": 1.0, "no_connector_ttft": 1.1, "store_ttft": 1.0,
-                         "raw_zmq_seconds": 0.005, **{mode: dict(load) for mode in MODES}}]}
+                         "raw_zmq_seconds": 0.005, "bare_tls_seconds": 0.02, **{mode: dict(load) for mode in MODES}}]}
     console = Console(record=True, width=300)
     console.print(_table(results))
     text = console.export_text()
     assert all(f"B {mode}" in text for mode in MODES) and "768|768|768" in text
+    assert "mutual TLS" in text and "bare TLS GB/s" in text and "0.47" in text  # 9 MiB in 20 ms
     _plot(results, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -26,7 +26,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from rich.table import Table
 
 from kvring.bench.dataplane import ChunkSpec, PlainTcp, RawZmq
 from kvring.bench.report import grouped_bars, write_outputs
+from kvring.common.tls import generate
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
 
@@ -53,12 +54,12 @@ def _warmup(instance: str) -> dict:
     return {"tokens": list(range(100, 356)), "salt": f"warm-up-{instance}"}
 
 
-def _baseline_seconds(system: type[RawZmq] | type[PlainTcp], chunk_bytes: int, chunks: int, layers: int,
+def _baseline_seconds(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, chunks: int, layers: int,
                       repeats: int = 5) -> float:
-    """Median seconds for a baseline (raw ZMQ, plain TCP) to stream ``chunks`` chunks of
-    ``chunk_bytes``, layer by layer."""
+    """Median seconds for a baseline (raw ZMQ, plain TCP, the bare TLS loop) to stream ``chunks``
+    chunks of ``chunk_bytes``, layer by layer."""
     spec = ChunkSpec("e2e", "bench", (layers, chunk_bytes // layers // 2))
-    raw = system()
+    raw = make()
     try:
         keys = [f"e2e-{i}".encode() for i in range(chunks)]
         payloads = [np.random.default_rng(i).integers(0, 255, size=chunk_bytes, dtype=np.uint8)
@@ -76,7 +77,10 @@ def _baseline_seconds(system: type[RawZmq] | type[PlainTcp], chunk_bytes: int, c
 
 
 def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
-                  intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None) -> dict:
+                  intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None,
+                  tls: bool = True) -> dict:
+    """Time to first token loaded vs recomputed (see the README); ``tls``: the data plane as
+    `kvring up` runs it (mutual TLS), or plain TCP."""
     from kvring.engine.run import run_instance, write_tiny_llama
 
     console = Console(width=None if Console().is_terminal else 200)  # the table is 12 columns wide
@@ -94,14 +98,13 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
         bar.update(task, description="starting etcd and 3 cache nodes")
         runs: dict[str, dict] = {}
         stats: dict[str, list[dict]] = {}
-        with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e") as cluster:
+        with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e", tls=tls) as cluster:
             bar.advance(task)
             base = {"model": model, "max_tokens": 1, "max_model_len": max_len}
             for name in ("store", *MODES):
                 bar.update(task, description=f"vLLM instance '{name}'")
                 stats_path = tmp / f"{name}.loads.jsonl"
-                conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "stats_path": str(stats_path),
-                        "load_mode": "layerwise" if name == "store" else name}
+                conn = cluster.connector(stats_path=str(stats_path), load_mode="layerwise" if name == "store" else name)
                 items = [_warmup(name), *({"tokens": p} for p in prompts)]
                 if name == "layerwise":
                     items += [{"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts)]
@@ -129,17 +132,20 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                              "load_bytes": load and load["bytes"], "load_seconds": load and load["seconds"],
                              "load_chunks": load and load["chunks"]}
             rows.append(row)
-        bar.update(task, description="raw ZMQ and plain TCP, the same bytes over loopback")
+        bar.update(task, description="raw ZMQ, plain TCP and the bare TLS loop, the same bytes over loopback")
+        credentials = generate(tmp / "bare-tls", "bench-e2e")
         for row in rows:
             load = row["bulk"]
             if load["load_bytes"]:
                 chunk_bytes = load["load_bytes"] // load["load_chunks"]
                 row["raw_zmq_seconds"] = _baseline_seconds(RawZmq, chunk_bytes, load["load_chunks"], layers)
                 row["plain_tcp_seconds"] = _baseline_seconds(PlainTcp, chunk_bytes, load["load_chunks"], layers)
+                row["bare_tls_seconds"] = _baseline_seconds(lambda: PlainTcp(tls=credentials), chunk_bytes,
+                                                            load["load_chunks"], layers)
         bar.advance(task)
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
-                         "kv_heads": 4, "head_dim": 128}, "rows": rows}
+                         "kv_heads": 4, "head_dim": 128}, "tls": tls, "rows": rows}
     console.print(_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results
@@ -152,9 +158,11 @@ def _gbps(nbytes: int | None, seconds: float | None) -> float:
 def _table(results: dict) -> Table:
     m = results["model"]
     table = Table(title=f"kvring bench e2e: time to first token, {m['layers']}-layer hidden-{m['hidden']} "
-                        f"Llama (MLP {m['intermediate']}) on CPU, 3 nodes")
+                        f"Llama (MLP {m['intermediate']}) on CPU, 3 nodes, "
+                        f"{'mutual TLS' if results.get('tls') else 'plain TCP'}")
     for col in ("tokens", "recompute", "no connector", "A: compute+save", *(f"B {mode}" for mode in MODES),
-                "loaded", "load GB/s lw|bulk|async", "raw ZMQ GB/s", "plain TCP GB/s", "same tokens"):
+                "loaded", "load GB/s lw|bulk|async", "bare TLS GB/s", "raw ZMQ GB/s", "plain TCP GB/s",
+                "same tokens"):
         table.add_column(col, justify="right", overflow="fold")
     for r in results["rows"]:
         b = [r[mode] for mode in MODES]
@@ -164,6 +172,7 @@ def _table(results: dict) -> Table:
             *(f"{x['ttft']:.3f} s ({r['recompute_ttft'] / x['ttft']:.0f}x)" for x in b),
             "|".join(str(x["loaded_tokens"]) for x in b),
             "|".join(f"{_gbps(x['load_bytes'], x['load_seconds']):.2f}" for x in b),
+            f"{_gbps(r['bulk']['load_bytes'], r.get('bare_tls_seconds')):.2f}",
             f"{_gbps(r['bulk']['load_bytes'], r.get('raw_zmq_seconds')):.2f}",
             f"{_gbps(r['bulk']['load_bytes'], r.get('plain_tcp_seconds')):.2f}",
             "yes" if all(x["identical"] for x in b) else "NO")

@@ -70,7 +70,8 @@ def _stored_bytes(client: ClusterClient, out: dict, item: int) -> int:
 
 def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int = 6, hidden: int = 1024,
                      intermediate: int = 11008, memory: int = 2 << 30, dtype: str = "float32",
-                     repetitions: int = 3, json_out: Path | None = None, plot: Path | None = None) -> dict:
+                     repetitions: int = 3, json_out: Path | None = None, plot: Path | None = None,
+                     tls: bool = True) -> dict:
     from kvring.engine.run import run_instance, write_tiny_llama
 
     console = Console(width=None if Console().is_terminal else 200)
@@ -88,13 +89,13 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
         runs: dict[str, dict] = {}
         loads: dict[str, list[dict]] = {}
         stored: dict[str, list[int]] = {}
-        with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e-tp") as cluster:
+        with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e-tp", tls=tls) as cluster:
             bar.advance(task)
             base = {"model": model, "dtype": dtype, "max_tokens": 1, "max_model_len": max(8192, max(sizes) + 64)}
             for i, (name, size) in enumerate(names.items()):
                 bar.update(task, description=f"vLLM instance '{name}' ({size} worker{'s' if size > 1 else ''})")
                 stats_path = tmp / f"i{i}.loads.jsonl"
-                conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "stats_path": str(stats_path)}
+                conn = cluster.connector(stats_path=str(stats_path))
                 items = [_warmup(f"i{i}"), *({"tokens": p} for _ in range(repetitions if i else 1) for p in prompts)]
                 if i:
                     items += [{"tokens": p, "salt": f"recompute-{i}-{j}"} for j, p in enumerate(prompts)]
@@ -103,7 +104,7 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
                 loads[name] = _loads(stats_path)
                 bar.advance(task)
             recomputed = 1 + repetitions * n  # the first recompute's item in a loading instance's run
-            with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
                 stored = {t: [_stored_bytes(client, runs[name], recomputed + j) for j in range(n)]
                           for name, t in (("TP 1", 1), (f"TP {tp}", tp))}
                 stored_first = [_stored_bytes(client, runs[f"store TP {tp}"], 1 + j) for j in range(n)]
@@ -136,7 +137,8 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
             rows.append(row)
         bar.advance(task)
     results = {"tp": tp, "model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": HEADS,
-                                   "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": dtype}, "rows": rows}
+                                   "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": dtype}, "tls": tls,
+               "rows": rows}
     console.print(_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results
@@ -146,7 +148,7 @@ def _table(results: dict) -> Table:
     m, tp = results["model"], results["tp"]
     table = Table(title=f"kvring bench e2e --tp {tp}: {m['layers']}-layer hidden-{m['hidden']} Llama "
                         f"({m['kv_heads']} KV heads, {m.get('dtype', 'float32')}) on CPU, 3 nodes, chunks stored "
-                        f"by TP {tp}")
+                        f"by TP {tp}, {'mutual TLS' if results.get('tls') else 'plain TCP'}")
     for col in ("tokens", "stored by TP 1", f"stored by TP {tp}", "TP", "loaded", "B TTFT", "recompute TTFT",
                 "speed-up", "load GB/s", "plain TCP GB/s (1 worker)", "B = recompute"):
         table.add_column(col, justify="right")

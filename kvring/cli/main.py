@@ -488,6 +488,7 @@ def bench_e2e(
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size to compare with TP 1 (1: the load modes "
                                                  "instead); the model's 4 KV heads must split over it.",
                                     min=1)] = 1,
+    tls: BenchTlsOpt = True,
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -502,10 +503,10 @@ def bench_e2e(
             raise typer.BadParameter(f"the bench's model has {KV_HEADS} KV heads, which {tp} ranks cannot split; "
                                      "use 2 or 4", param_hint="--tp")
         run_bench_e2e_tp(tp, sizes, layers=layers, hidden=hidden, intermediate=intermediate,
-                         memory=_size(memory, "--memory"), json_out=json_out, plot=plot)
+                         memory=_size(memory, "--memory"), json_out=json_out, plot=plot, tls=tls)
         return
     run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
-                  json_out=json_out, plot=plot)
+                  json_out=json_out, plot=plot, tls=tls)
 
 
 @bench_app.command("shapes")
