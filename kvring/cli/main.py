@@ -653,7 +653,8 @@ def bench_tls(
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """PUT and GET throughput (3 MiB and 32 MiB chunks) of a node requiring mutual TLS next to a plain one."""
+    """PUT and GET throughput (3 MiB and 32 MiB chunks) of a node requiring mutual TLS, next to a plain one, the
+    bare ssl loop and a raw TCP socket, interleaved."""
     from kvring.bench.tls import TlsSettings, run_bench_tls
 
     run_bench_tls(TlsSettings(repetitions=repetitions), json_out=json_out, plot=plot)
