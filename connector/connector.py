@@ -24,8 +24,8 @@ from kvring.common.hashing import FORMAT_VERSION, HASH_ALGORITHM
 from kvring.common.tls import ClusterCredentials
 
 from .config import ConnectorConfig
-from .instance import (KVGroups, check_kv_groups, check_parallel, chunk_parts, layout_from_vllm, rank_shard,
-                       worker_load_bytes)
+from .instance import (KVGroups, check_chunk_blocks, check_kv_groups, check_parallel, chunk_parts, layout_from_vllm,
+                       rank_shard, worker_load_bytes)
 from .metadata import KVRingMetadata
 from .scheduler import SchedulerSide
 from .stats import KVRingPromMetrics, KVRingStats
@@ -88,6 +88,7 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         self.client = connect(self.config)
         chunk = self.client.contract.chunk_size
         block_size = vllm_config.cache_config.block_size
+        check_chunk_blocks(chunk, block_size)
         if role == KVConnectorRole.SCHEDULER:
             layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version, groups=groups)
             self._scheduler = SchedulerSide(self.config, layout, self.client, block_size,

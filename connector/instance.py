@@ -152,6 +152,17 @@ def check_kv_groups(kv_cache_config) -> None:
     raise ValueError(f"KVRingConnector cannot serve this model without risking wrong KV: {problem}. {fix}.")
 
 
+def check_chunk_blocks(chunk_size: int, block_size: int) -> None:
+    """Refuse a cluster whose chunks do not hold whole vLLM blocks: loads and saves would copy
+    parts of blocks, and vLLM's CPU kernel keeps a block's K transposed behind the view connectors
+    get, so part of a block is not a run of tokens (wrong KV, silently)."""
+    if chunk_size % block_size:
+        raise ValueError(f"KVRingConnector cannot serve this engine without risking wrong KV: the cluster's chunks "
+                         f"hold {chunk_size} tokens, which is not a whole number of vLLM's {block_size}-token blocks. "
+                         f"Start vLLM with a --block-size that divides {chunk_size}, or use a cluster whose chunk_size "
+                         f"is a multiple of {block_size}.")
+
+
 def _loadable(spec) -> bool:
     """Full attention (K and V per KV head), or MLA's latent: the caches kvring loads as one group."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec

@@ -10,7 +10,7 @@ import torch
 from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec)
 
-from kvring.connector.instance import KVGroups, check_kv_groups
+from kvring.connector.instance import KVGroups, check_chunk_blocks, check_kv_groups
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
@@ -59,3 +59,12 @@ def test_caches_it_cannot_load_correctly_are_refused_naming_the_group_and_the_fi
     with pytest.raises(ValueError, match="cannot serve this model without risking wrong KV") as err:
         check_kv_groups(_config(*specs))
     assert all(w in str(err.value) for w in why) and fix in str(err.value), str(err.value)
+
+
+def test_chunks_of_part_blocks_are_refused():
+    """A chunk must hold whole vLLM blocks: a load or save of part of a block would copy the wrong
+    bytes on vLLM's CPU kernel (K transposed within a block)."""
+    for chunk, block in ((256, 128), (256, 16), (512, 256), (128, 128)):
+        check_chunk_blocks(chunk, block)
+    with pytest.raises(ValueError, match="192 tokens, which is not a whole number of vLLM's 128-token blocks"):
+        check_chunk_blocks(192, 128)
