@@ -5,7 +5,7 @@ loop); it owns the node's holdings (``holdings.py``) through that thread.  Nothi
 handler does work bounded by the request's limits (``kvring.common.protocol``), a GET's layers
 are produced by a generator the server runs a slice at a time, and a GET of chunks held only on
 disk is answered when the disk tier's readers have brought them (or after
-``disk_read_timeout``, with the rest as misses).
+its ``read_timeout``, with the rest as misses).
 
 Bad input is answered with its ``ErrorCode`` and counted; it is logged as a summary at most
 every ``BadInputLog.period`` seconds, whatever the rate, with messages cut to a bounded length.
@@ -81,10 +81,9 @@ class BadInputLog:
 
 class Dispatcher:
     def __init__(self, node_id: str, holdings: Holdings, metrics: NodeMetrics, server: Server,
-                 max_chunk_bytes: int, stats: Callable[[], dict], disk_read_timeout: float = 2.0) -> None:
+                 max_chunk_bytes: int, stats: Callable[[], dict]) -> None:
         self.node_id = node_id
         self.holdings = holdings
-        self.disk_read_timeout = disk_read_timeout
         self.metrics = metrics
         self.server = server
         self.max_chunk_bytes = max_chunk_bytes
@@ -180,7 +179,7 @@ class Dispatcher:
         if req.layer_start < 0 or (req.layer_end != -1 and req.layer_end <= req.layer_start):
             raise ProtocolError(f"layer range [{req.layer_start}, {req.layer_end}) is empty or negative",
                                 ErrorCode.BAD_RANGE)
-        self.holdings.fetch(req.keys, lambda entries: self._answer_get(conn, req, entries), self.disk_read_timeout)
+        self.holdings.fetch(req.keys, lambda entries: self._answer_get(conn, req, entries))
 
     def _answer_get(self, conn: Connection, req: P.Get, entries: list[Entry | None]) -> None:
         """Answer a GET with its entries (at once, or once the disk tier has read them)."""

@@ -132,11 +132,13 @@ class Holdings:
 
     # ---- reads -----------------------------------------------------------------------------
 
-    def fetch(self, keys: list[bytes], done: Callable[[list[Entry | None]], None], timeout: float) -> None:
+    def fetch(self, keys: list[bytes], done: Callable[[list[Entry | None]], None]) -> None:
         """The entries of ``keys`` (None: not held), reading from the disk what is only there;
-        ``done`` runs on the loop, at once if nothing needs the disk."""
+        ``done`` runs on the loop, at once if nothing needs the disk, else once every read is
+        back or the disk's ``read_timeout`` has passed."""
         entries = [self.store.get(key) for key in keys]
         disk = self.disk
+        timeout = disk.config.read_timeout if disk is not None else 0.0
         waiting = [i for i, e in enumerate(entries) if e is None and disk is not None and disk.holds(keys[i])
                    and self._can_wait(keys[i], timeout)]
         if not waiting:

@@ -7,6 +7,10 @@ other threads go through ``Server.call``); ``http.py``'s server answers on threa
 thread (``handoff.py``) moves chunks the node no longer owns.  SIGTERM or SIGINT stops the loop,
 revokes the lease (the node leaves the ring at once) and exits 0.
 
+With ``--disk-dir`` the node also keeps every chunk on disk (``disk/``; memory and disk as one
+set of chunks in ``holdings.py``): the disk's index is rebuilt in ``CacheNode.__init__``, before
+the node answers or registers, and a stop writes the disk's queue before it exits.
+
 Drain (``drain.py``): requested through etcd (``Etcd.request_drain``, whose key the node
 watches) or by ``POST /drain`` on the admin port (from loopback only, with the node token: that
 is the pod's preStop hook).  The node sets its state ``draining`` (clients drop it from the ring;
@@ -152,8 +156,7 @@ class CacheNode:
         self.data_port = self.server.port
         self.holdings = Holdings(self.store, self.disk, self.server, self.events)
         self.dispatcher = Dispatcher(config.node_id, self.holdings, self.metrics, self.server,
-                                     config.max_chunk_bytes, self.stats,
-                                     config.disk.read_timeout if config.disk is not None else 2.0)
+                                     config.max_chunk_bytes, self.stats)
         self.http = make_http_server(self, config.host, config.admin_port)
         self.admin_port = self.http.server_address[1]
         adv = config.advertise_host or config.host
