@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -310,16 +311,34 @@ def _bench_disk_leftovers() -> tuple[set[str], list[int]]:
     return dirs, procs
 
 
+def _conversation_trace(path: Path, requests: int, sessions: int = 60, seed: int = 1) -> Path:
+    """A Mooncake-format trace of conversations (each turn's prompt is the session's last prompt
+    plus two new 512-token blocks), so that a turn hits if its session's blocks are still held:
+    what the shared traces look like, written here so the test needs no file beside the checkout."""
+    rng = random.Random(seed)
+    history: list[list[int]] = [[] for _ in range(sessions)]
+    next_id = 0
+    with open(path, "w") as f:
+        for i in range(requests):
+            ids = history[rng.randrange(sessions)]
+            ids += [next_id, next_id + 1]
+            next_id += 2
+            f.write(json.dumps({"timestamp": i * 10, "input_length": len(ids) * 512, "output_length": 16,
+                                "hash_ids": list(ids)}) + "\n")
+    return path
+
+
 def test_bench_disk_measures_the_tier_the_restarts_and_the_trace_and_writes_json_and_png(tmp_path):
     """`kvring bench disk` without its vLLM part, at small sizes: every GET of a tier round is read
     from disk (none skipped by the disk), each cold restart finds every chunk written, the disk
     raises the trace's hit rate at the same memory, and nothing is left behind."""
     out, plot = tmp_path / "disk.json", tmp_path / "disk.png"
+    trace = _conversation_trace(tmp_path / "trace.jsonl", requests=600)
     dirs_before, _ = _bench_disk_leftovers()
     proc = subprocess.run([sys.executable, "-P", "-m", "kvring.cli", "bench", "disk",
                            "--parts", "throughput,rebuild,trace", "--repetitions", "2", "--tier-bytes", "64MiB",
                            "--chunk-bytes", "1MiB", "--max-chunks", "20000", "--restarts", "2", "--limit", "600",
-                           "--memory", "8MiB", "--json", str(out), "--plot", str(plot)],
+                           "--trace", str(trace), "--memory", "8MiB", "--json", str(out), "--plot", str(plot)],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for title in ("disk tier vs the device", "warm restart", "trace replay"):
