@@ -285,9 +285,12 @@ class Etcd:
 
     async def drain_requests(self) -> set[str]:
         """Node ids with a pending drain request."""
-        rng = await self.call(lambda c: c.get_prefix(self.settings.drain_prefix))
-        cut = len(self.settings.drain_prefix)
-        return {kv.key[cut:].decode() for kv in rng}
+        return await self._node_ids_under(self.settings.drain_prefix)
+
+    async def _node_ids_under(self, prefix: bytes) -> set[str]:
+        """The node ids that name a key under ``prefix`` (drain requests, restart markers)."""
+        rng = await self.call(lambda c: c.get_prefix(prefix))
+        return {kv.key[len(prefix):].decode() for kv in rng}
 
     async def drain_requested(self, node_id: str) -> bool:
         """Whether ``node_id`` has a pending drain request."""
@@ -316,9 +319,7 @@ class Etcd:
 
     async def restart_requests(self) -> set[str]:
         """Node ids with a restart marker."""
-        rng = await self.call(lambda c: c.get_prefix(self.settings.restart_prefix))
-        cut = len(self.settings.restart_prefix)
-        return {kv.key[cut:].decode() for kv in rng}
+        return await self._node_ids_under(self.settings.restart_prefix)
 
     async def restart_requested(self, node_id: str) -> bool:
         """Whether ``node_id`` has a restart marker."""
