@@ -48,6 +48,11 @@ _DIRECT = 64 << 10  # segments this large are not waited for in the receive buff
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # A non-blocking socket (plain or TLS) that cannot move bytes now.
 TLS_READ_BYTES = 1 << 20  # read on one TLS socket in one ``FrameReader.read`` while it has more
+# While a large payload is read straight from the socket, the caller's poll wakes only once this
+# much more of it is here (``SO_RCVLOWAT``), not at every segment or TLS record that arrives.
+LOW_WATER = 256 << 10
+_LOW_WATER_STEP = 64 << 10  # the mark is lowered in these steps as the payload's end nears
+_TLS_RECORD = 17 << 10  # the most of one record OpenSSL can hold, read but not yet returned
 WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -167,6 +172,7 @@ class FrameReader:
         self._target: np.ndarray | None = None
         self._filled = 0
         self.received = 0  # bytes the last ``read`` got (0: nothing was there)
+        self._low_water = 1  # the socket's SO_RCVLOWAT as this reader last set it
 
     @property
     def held(self) -> int:
@@ -191,14 +197,70 @@ class FrameReader:
 
         Raises ``ConnectionClosed`` on EOF or a broken connection, ``FramingError`` on input
         beyond the limits; returns ``[]`` if nothing could be read yet."""
-        messages = self._read_once(sock)
-        if isinstance(sock, ssl.SSLSocket):
+        if not isinstance(sock, ssl.SSLSocket):
+            messages = self._read_once(sock)
+        else:
+            messages = self._read_once(sock)
             got = self.received
             while self.received and (sock.pending() or got < TLS_READ_BYTES):
-                messages += self._read_once(sock)
+                if self._target is not None:
+                    messages += self._fill_target_tls(sock, TLS_READ_BYTES - got)
+                else:
+                    messages += self._read_once(sock)
                 got += self.received
             self.received = got
+        self._set_low_water(sock)
         return messages
+
+    def _fill_target_tls(self, sock: ssl.SSLSocket, budget: int) -> list[Message]:
+        """Read TLS records straight into the payload being filled, up to ``budget`` bytes or
+        until the socket has none: one tight loop, since each call returns one record (16 KiB)
+        at most.  ``SSLSocket.read`` is the documented call under ``recv_into``."""
+        target = self._target
+        view = memoryview(target)
+        size, filled, got = len(target), self._filled, 0
+        read = sock.read
+        try:
+            while filled < size and got < budget:
+                n = read(size - filled, view[filled:])
+                if not n:
+                    raise ConnectionClosed("connection closed by the peer")
+                filled += n
+                got += n
+        except WOULD_BLOCK:
+            pass
+        except OSError as exc:
+            raise ConnectionClosed(f"connection broken: {exc}") from None
+        finally:
+            self._filled = filled
+            self.received = got
+        if filled < size:
+            return []
+        self._parts.append(target)
+        self._kept += size
+        self._target, self._filled = None, 0
+        return self._parse()
+
+    def _set_low_water(self, sock: socket.socket) -> None:
+        """While a large payload is read straight from the socket, have the caller's poll wake
+        only once ``LOW_WATER`` more bytes of it are here: a reader that keeps up with its sender
+        would otherwise wake, read one segment (or TLS record) and go back to sleep, and those
+        turns of the caller's loop cost more than the bytes.  The mark never exceeds what the
+        payload still lacks (less one TLS record, which OpenSSL may already hold), so the bytes
+        the sender owes always reach it; near the payload's end, and between payloads, it is 1."""
+        want = 1
+        if self._target is not None:
+            left = len(self._target) - self._filled
+            if isinstance(sock, ssl.SSLSocket):
+                left -= _TLS_RECORD
+            if left >= _LOW_WATER_STEP:
+                want = min(LOW_WATER, left - left % _LOW_WATER_STEP)
+        if want != self._low_water:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            except OSError:  # a socket that takes no mark (closed under us): wake at every byte
+                pass
+            self._low_water = want
 
     def _read_once(self, sock: socket.socket) -> list[Message]:
         target = self._target
