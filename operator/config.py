@@ -17,6 +17,7 @@ class OperatorConfig:
     cleanup_retries: int = 12  # deletion gives up cleaning etcd after this many failed tries
     kubeconfig: str | None = None  # None: in-cluster service account, else $KUBECONFIG
     liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8081/healthz (kopf's probe server)
+    own_namespace: str | None = None  # where the operator's pod runs (POD_NAMESPACE): the NetworkPolicies admit it
 
     def __post_init__(self) -> None:
         for name in ("status_interval", "etcd_timeout", "stats_timeout", "retry_delay"):

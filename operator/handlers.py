@@ -152,7 +152,8 @@ class CacheClusterHandlers:
                 kopf.info(body, reason="ScaleIn", message=scaling.describe(plan.scale_in))
 
         results = []
-        children = render.render_children(name, namespace, cs, replicas=plan.replicas)
+        children = render.render_children(name, namespace, cs, replicas=plan.replicas,
+                                          operator_namespace=self.config.own_namespace)
         problem = rollout.disk_change(sts, children[-1])
         if problem:  # the StatefulSet cannot take it: keep it as it runs, say so
             logger.error("%s", problem)
@@ -174,6 +175,15 @@ class CacheClusterHandlers:
             except OwnedElsewhere as exc:
                 kopf.warn(body, reason="NameTaken", message=str(exc))
                 raise kopf.TemporaryError(str(exc), delay=60) from exc
+            except KubeError as exc:
+                raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
+        # NetworkPolicies the spec no longer wants (turned off, or etcd no longer managed) go.
+        kept = {c["metadata"]["name"] for c in children if c["kind"] == "NetworkPolicy"}
+        for policy in sorted(set(render.network_policy_names(name)) - kept):
+            try:
+                if await self.kube.delete_owned("networking.k8s.io/v1", "NetworkPolicy", namespace, policy,
+                                                body.metadata.uid):
+                    results.append(("NetworkPolicy", policy, "deleted"))
             except KubeError as exc:
                 raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
         changed = [f"{kind} {obj} {what}" for kind, obj, what in results if what != "unchanged"]

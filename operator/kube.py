@@ -1,7 +1,7 @@
 """The operator's Kubernetes client: get, create and merge-patch of the kinds a CacheCluster owns.
 
 kopf talks to the API for the CacheCluster itself; the children (StatefulSets, Services, the
-ConfigMap, PodDisruptionBudgets) go through ``KubeClient``, a thin layer over
+ConfigMap, PodDisruptionBudgets, NetworkPolicies) go through ``KubeClient``, a thin layer over
 ``kubernetes_asyncio``'s ``ApiClient`` that sends and receives plain dicts, the same dicts the
 render functions build.  ``apply`` is create-or-patch: it creates a missing object, leaves one
 that already holds every rendered field alone, and merge-patches one that differs, so re-running
@@ -29,6 +29,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
 }
 
 
@@ -144,6 +145,22 @@ class KubeClient:
         """A JSON merge patch (RFC 7386): maps merge, lists are replaced, ``None`` deletes."""
         return await self._call("PATCH", object_path(api_version, kind, namespace, name), dict(patch),
                                 "application/merge-patch+json")
+
+    async def delete_owned(self, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete the object if it exists and its controller is ``owner_uid`` (a child the spec no
+        longer wants); an object of that name that is someone else's is left alone.  Returns
+        whether one was deleted."""
+        current = await self.get(api_version, kind, namespace, name)
+        owner = _controller(current) if current is not None else None
+        if owner is None or owner.get("uid") != owner_uid:
+            return False
+        try:
+            await self._call("DELETE", object_path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            return False
+        return True
 
     async def apply(self, desired: Mapping[str, Any]) -> str:
         """Create or patch ``desired`` (with its owner references); returns what was done:

@@ -13,6 +13,12 @@ ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 ETCD_METRICS_PORT = 2381
 
+# Labels (each with the value "true") that the NetworkPolicies admit (``render_policy``); the
+# chart puts them on its vLLM, admin and operator pods.
+CLIENT_LABEL = "kvring.io/client"  # a pod that uses the cache: vLLM with the connector, a KV-event router
+ADMIN_LABEL = "kvring.io/admin"  # the admin API (``kvring admin``)
+OPERATOR_LABEL = "kvring.io/operator"  # the operator (``kvring operator``)
+
 
 def cluster_key(name: str, namespace: str) -> str:
     """The kvring cluster name in etcd (nodes run with ``--cluster <cluster_key>``)."""

@@ -94,6 +94,21 @@ class DiskSpec:
     storage_class: str | None = None
 
 
+DEFAULT_MONITORING_NAMESPACE = "monitoring"
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    """Who may reach the nodes and the managed etcd (``render_policy``): kvring's own pods, pods
+    labelled as clients in the cluster's namespace and in ``client_namespaces``, and, on the
+    metrics ports, pods in ``monitoring_namespace``.  Off: no NetworkPolicy, every pod may."""
+
+    enabled: bool = True
+    monitoring_namespace: str = DEFAULT_MONITORING_NAMESPACE
+    client_namespaces: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """A validated CacheCluster spec with every default applied."""
@@ -122,6 +137,7 @@ class ClusterSpec:
     topology_spread: tuple[dict[str, Any], ...] = ()
     tls: bool = True  # mutual TLS on the data plane, with credentials in the Secret <name>-tls
     disk: DiskSpec | None = None  # a disk tier on a volume per node; None: memory only
+    network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | None) -> ClusterSpec:
@@ -132,7 +148,7 @@ class ClusterSpec:
 _SPEC_KEYS = ("replicas", "image", "imagePullPolicy", "memoryPerNode", "resources", "chunkSize",
               "virtualNodes", "replication", "evictionPolicy", "leaseTtlSeconds", "drainTimeoutSeconds",
               "etcd", "authSecret", "ports", "nodeSelector", "tolerations", "affinity",
-              "topologySpreadConstraints", "tls", "disk")
+              "topologySpreadConstraints", "tls", "disk", "networkPolicy")
 
 
 class _Reader:
@@ -169,6 +185,7 @@ class _Reader:
             "topology_spread": self._spread(s.get("topologySpreadConstraints")),
             "tls": self._enum(s, "tls", True, (True, False)),
             "disk": self._disk(s.get("disk")),
+            "network_policy": self._network_policy(s.get("networkPolicy")),
         }
         values["memory_per_node_raw"], values["memory_per_node"] = self._memory(s)
         (values["data_port"], values["admin_port"], values["events_port"],
@@ -345,6 +362,34 @@ class _Reader:
                     self.problems.append(f"{where}.capacity must be positive, got {disk['capacity']!r}")
         return DiskSpec(size=str(size), size_bytes=size_bytes, capacity=capacity,
                         storage_class=self._str(disk, "storageClassName", None, where))
+
+    def _network_policy(self, policy: Any) -> NetworkPolicySpec:
+        if policy is None:
+            return NetworkPolicySpec()
+        where = "spec.networkPolicy"
+        if not isinstance(policy, dict):
+            self.problems.append(f"{where} must be an object such as {{enabled: false}}, got {policy!r}")
+            return NetworkPolicySpec()
+        self._unknown(policy, ("enabled", "monitoringNamespace", "clientNamespaces"), where)
+        monitoring = policy.get("monitoringNamespace", DEFAULT_MONITORING_NAMESPACE)
+        if not self._namespace(monitoring):
+            self.problems.append(f"{where}.monitoringNamespace {monitoring!r} is not a namespace name; set the "
+                                 f"namespace Prometheus runs in (e.g. {DEFAULT_MONITORING_NAMESPACE})")
+            monitoring = DEFAULT_MONITORING_NAMESPACE
+        clients = policy.get("clientNamespaces", [])
+        if not isinstance(clients, list):
+            self.problems.append(f"{where}.clientNamespaces must be a list of namespace names, got {clients!r}")
+            clients = []
+        for ns in clients:
+            if not self._namespace(ns):
+                self.problems.append(f"{where}.clientNamespaces: {ns!r} is not a namespace name (e.g. inference)")
+        return NetworkPolicySpec(enabled=self._enum(policy, "enabled", True, (True, False), where),
+                                 monitoring_namespace=monitoring,
+                                 client_namespaces=tuple(ns for ns in clients if self._namespace(ns)))
+
+    @staticmethod
+    def _namespace(value: Any) -> bool:
+        return isinstance(value, str) and len(value) <= 63 and bool(_NAMESPACE.match(value))
 
     def _node_selector(self, sel: Any) -> dict[str, str]:
         if sel is None:

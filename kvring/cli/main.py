@@ -754,6 +754,10 @@ def operator(
     etcd_timeout: Annotated[float, typer.Option(help="Seconds per etcd request.", min=0.1)] = 2.0,
     liveness: Annotated[str | None, typer.Option(
         help="Serve a liveness probe here, e.g. http://0.0.0.0:8081/healthz.")] = None,
+    own_namespace: Annotated[str | None, typer.Option(
+        "--own-namespace", envvar="POD_NAMESPACE", show_default=False,
+        help="The namespace the operator's pod runs in (the chart sets POD_NAMESPACE): CacheClusters' "
+             "NetworkPolicies admit its pods from there.")] = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Run the Kubernetes operator for CacheCluster resources (in a pod: its service account; else $KUBECONFIG)."""
@@ -768,7 +772,8 @@ def operator(
     except KubeError as exc:
         raise CommandFailed(str(exc)) from None
     run(OperatorConfig(namespaces=tuple(namespace or ()), status_interval=status_interval,
-                       etcd_timeout=etcd_timeout, liveness_endpoint=liveness), verbose=verbose)
+                       etcd_timeout=etcd_timeout, liveness_endpoint=liveness,
+                       own_namespace=own_namespace or None), verbose=verbose)
 
 
 @app.command()

@@ -45,6 +45,11 @@ SCENARIOS = {
              "--set", "cacheCluster.spec.disk.storageClassName=local-nvme", "--set", "cacheCluster.spec.replication=2"],
     "no-operator": ["--set", "operator.enabled=false", "--set", "cacheCluster.enabled=true"],
     "namespaced": ["--set", "operator.namespaces={team-a,team-b}", "--set", "operator.livenessPort=0"],
+    "network-policy": ["--set", "etcd.enabled=true", "--set", "cacheCluster.enabled=true", "--set", "admin.enabled=true",
+                       "--set", "networkPolicy.clientNamespaces={serving}",
+                       "--set", "networkPolicy.adminFrom[0].namespaceSelector.matchLabels.team=ops"],
+    "no-network-policy": ["--set", "etcd.enabled=true", "--set", "cacheCluster.enabled=true",
+                          "--set", "admin.enabled=true", "--set", "networkPolicy.enabled=false"],
 }
 
 
@@ -93,7 +98,8 @@ def test_default_release_is_operator_and_crd_only():
     docs = by_kind(template())
     assert sorted(docs) == [("ClusterRole", "kv-kvring-operator"), ("ClusterRoleBinding", "kv-kvring-operator"),
                             ("CustomResourceDefinition", "cacheclusters.kvring.io"),
-                            ("Deployment", "kv-kvring-operator"), ("ServiceAccount", "kv-kvring-operator")]
+                            ("Deployment", "kv-kvring-operator"), ("NetworkPolicy", "kv-kvring-operator"),
+                            ("ServiceAccount", "kv-kvring-operator")]
     deploy = docs[("Deployment", "kv-kvring-operator")]
     pod = deploy["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -125,6 +131,7 @@ def test_rbac_is_least_privilege():
         ("", "configmaps"): write,
         ("", "secrets"): {"get", "create"},  # the data-plane credentials: made once, never read back out
         ("policy", "poddisruptionbudgets"): write,
+        ("networking.k8s.io", "networkpolicies"): write,
         ("", "pods"): {"get", "list", "watch"},
         ("", "events"): {"create", "patch"},
         ("events.k8s.io", "events"): {"create", "patch"},
@@ -176,7 +183,8 @@ def test_rbac_covers_every_kind_the_operator_renders():
     spec = ClusterSpec.from_dict({"memoryPerNode": "1Gi", "etcd": {"managed": {"members": 3}}})
     rules = by_kind(template())[("ClusterRole", "kv-kvring-operator")]["rules"]
     plural = {"ConfigMap": ("", "configmaps"), "Service": ("", "services"), "StatefulSet": ("apps", "statefulsets"),
-              "PodDisruptionBudget": ("policy", "poddisruptionbudgets")}
+              "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+              "NetworkPolicy": ("networking.k8s.io", "networkpolicies")}
     for obj in render_children("kv", "ns", spec):
         group, resource = plural[obj["kind"]]
         verbs = set().union(*(set(r["verbs"]) for r in rules if group in r["apiGroups"] and resource in r["resources"]))

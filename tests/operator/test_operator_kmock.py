@@ -128,6 +128,7 @@ def children(api: KubeAPI, name: str) -> dict[str, dict | None]:
         "Service nodes": api.get(path("v1", "services", f"{name}-nodes")),
         "ConfigMap": api.get(path("v1", "configmaps", f"{name}-config")),
         "PodDisruptionBudget": api.get(path("policy/v1", "poddisruptionbudgets", name)),
+        "NetworkPolicy": api.get(path("networking.k8s.io/v1", "networkpolicies", name)),
         "Secret": api.get(path("v1", "secrets", f"{name}-tls")),  # the data plane's credentials (tls: true)
         "Secret node-token": api.get(path("v1", "secrets", f"{name}-node-token")),  # the nodes' admin ports' token
     }
@@ -201,6 +202,34 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
         time.sleep(1.5)  # the resume handler and a few status passes
         assert {k: o["metadata"]["resourceVersion"] for k, o in children(api, "cache").items()} == versions
     assert "Resuming is processed: 1 succeeded" in runner.output
+
+
+def test_network_policies_follow_the_spec_and_go_when_turned_off(kube):
+    """The operator's own namespace (POD_NAMESPACE in the chart) reaches the policies it renders;
+    turning them off deletes the ones it made and leaves a user's policy of the same name alone."""
+    api = kube.api
+    policy = lambda name: api.get(path("networking.k8s.io/v1", "networkpolicies", name))  # noqa: E731
+    with operator(own_namespace="kvring-system"):
+        api.create(cc_path(), cachecluster("np"))
+        etcd = wait_for(lambda: policy("np-etcd"), what="the etcd's NetworkPolicy")
+        nodes = policy("np")
+        assert nodes["metadata"]["ownerReferences"][0]["name"] == "np"
+        operator_peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvring-system"}},
+                         "podSelector": {"matchLabels": {"kvring.io/operator": "true"}}}
+        assert operator_peer in nodes["spec"]["ingress"][1]["from"] and operator_peer in etcd["spec"]["ingress"][0]["from"]
+        # Moving etcd out removes its policy; turning the policies off removes the nodes' too.
+        api.patch(cc_path("np"), {"spec": {"etcd": {"endpoints": ["etcd.infra:2379"]}}})
+        wait_for(lambda: policy("np-etcd") is None, what="the etcd's NetworkPolicy deleted")
+        assert policy("np") is not None
+        api.patch(cc_path("np"), {"spec": {"networkPolicy": {"enabled": False}}})
+        wait_for(lambda: policy("np") is None, what="the nodes' NetworkPolicy deleted")
+        # A NetworkPolicy of the same name that the CacheCluster does not own is not its to delete.
+        api.create(KubeAPI.path("networking.k8s.io/v1", "networkpolicies", NS), {
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "np", "namespace": NS},
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}})
+        api.patch(cc_path("np"), {"spec": {"replicas": 2}})
+        cc_when(api, "np", lambda o: o.get("status", {}).get("observedGeneration") == 4, what="generation 4 handled")
+        assert policy("np") is not None
 
 
 def test_managed_etcd_is_created_and_the_connector_points_at_it(kube):

@@ -167,6 +167,14 @@ FIELDS = [
                  id="disk"),
     pytest.param({"disk": {"size": "100Gi", "capacity": "50Gi"}}, lambda c: arg(c, "--disk-capacity"),
                  str(50 << 30), id="disk.capacity"),
+    pytest.param({"networkPolicy": {"enabled": False}}, lambda c: [n for k, n in c if k == "NetworkPolicy"], [],
+                 id="networkPolicy.enabled"),
+    pytest.param({"networkPolicy": {"monitoringNamespace": "observability", "clientNamespaces": ["serving"]}},
+                 lambda c: [peer.get("namespaceSelector") for rule in c[("NetworkPolicy", "kv")]["spec"]["ingress"]
+                            for peer in rule["from"] if "namespaceSelector" in peer],
+                 [{"matchLabels": {"kubernetes.io/metadata.name": "serving"}},
+                  {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}],
+                 id="networkPolicy.namespaces"),
 ]
 
 
@@ -271,11 +279,12 @@ def test_the_rendered_node_env_and_prestop_hook_drain_a_real_node(etcd_server, m
 
 def test_children_in_apply_order():
     managed = [(o["kind"], o["metadata"]["name"]) for o in render_children("kv", "ns", spec_of())]
-    assert managed == [("ConfigMap", "kv-config"), ("Service", "kv-etcd-peer"), ("Service", "kv-etcd"),
+    assert managed == [("ConfigMap", "kv-config"), ("NetworkPolicy", "kv"), ("NetworkPolicy", "kv-etcd"),
+                       ("Service", "kv-etcd-peer"), ("Service", "kv-etcd"),
                        ("StatefulSet", "kv-etcd"), ("Service", "kv-nodes"), ("Service", "kv"),
                        ("PodDisruptionBudget", "kv"), ("StatefulSet", "kv")]
     external = render_children("kv", "ns", spec_of(etcd={"endpoints": ["e:2379"]}))
-    assert [o["metadata"]["name"] for o in external] == ["kv-config", "kv-nodes", "kv", "kv", "kv"]
+    assert [o["metadata"]["name"] for o in external] == ["kv-config", "kv", "kv-nodes", "kv", "kv", "kv"]
     for obj in render_children("kv", "ns", spec_of()):
         assert obj["metadata"]["namespace"] == "ns"
         assert "ownerReferences" not in obj["metadata"]  # the handlers adopt them

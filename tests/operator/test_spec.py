@@ -14,7 +14,7 @@ import pytest
 from crd_schema import apply_defaults, load_crd, load_examples, openapi_schema, schema_errors
 
 from kvring.operator import spec as spec_mod
-from kvring.operator.spec import ClusterSpec, DiskSpec, EtcdSpec, SpecError, check_name, parse_bytes
+from kvring.operator.spec import ClusterSpec, DiskSpec, EtcdSpec, NetworkPolicySpec, SpecError, check_name, parse_bytes
 
 VALID = load_examples()
 INVALID = load_examples("invalid")
@@ -117,6 +117,7 @@ def test_defaults():
     assert s.etcd == EtcdSpec(endpoints=(), managed=True, members=1, storage="1Gi", storage_class=None,
                               image="quay.io/coreos/etcd:v3.5.17")
     assert (s.resources, s.node_selector, s.tolerations, s.affinity, s.topology_spread) == ({}, {}, (), None, ())
+    assert s.network_policy == NetworkPolicySpec(enabled=True, monitoring_namespace="monitoring", client_namespaces=())
 
 
 @pytest.mark.parametrize("name", sorted(VALID))
@@ -154,6 +155,8 @@ def test_everything_example_reads_every_field():
     assert (s.data_port, s.admin_port, s.events_port, s.events_replay_port) == (7000, 7001, 7002, 7003)
     assert (s.policy, s.lease_ttl) == ("fifo", 15)
     assert s.disk == DiskSpec(size="500Gi", size_bytes=500 << 30, capacity=450 << 30, storage_class="local-nvme")
+    assert s.network_policy == NetworkPolicySpec(enabled=True, monitoring_namespace="observability",
+                                                 client_namespaces=("serving",))
 
 
 def test_disk_capacity_defaults_to_ninety_percent_of_the_volume():
@@ -193,6 +196,8 @@ INVALID_EXPECTED = {
     "toleration-operator.yaml": ("spec.tolerations.0.operator", "'Maybe' is not one of",
                                  "tolerations[0].operator must be one of Exists, Equal"),
     "tls-not-boolean.yaml": ("spec.tls", "'yes' is not of type 'boolean'", "spec.tls must be one of True, False"),
+    "network-policy-namespace.yaml": ("spec.networkPolicy.monitoringNamespace", "does not match",
+                                      "spec.networkPolicy.monitoringNamespace 'Prometheus' is not a namespace name"),
     "unknown-field.yaml": ("spec", "('replica' was unexpected)", "spec.replica is not a known field; did you mean replicas?"),
     "vnodes-zero.yaml": ("spec.virtualNodes", "0 is less than the minimum of 1", "virtualNodes must be between 1 and 65536"),
     "zero-replication.yaml": ("spec.replication", "0 is less than the minimum of 1", "replication must be between 1 and 16"),

@@ -80,6 +80,10 @@ capabilities:
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, update, delete]
+# Each CacheCluster's NetworkPolicies (deleted again when its spec turns them off).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, update, delete]
 # Node pods: observed for status, never changed.
 - apiGroups: [""]
   resources: [pods]
