@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvring.common.errors import ErrorCode
+from kvring.common.types import NodeState
 
 OPS = ("ping", "lookup", "get", "put", "delete", "stats", "keys", "flush")
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
@@ -84,6 +85,34 @@ class NodeMetrics:
             ("evicted", "evicted", "Chunks evicted from disk past its budget"),
         ):
             Gauge(f"kvring_node_disk_{name}_total", doc, registry=r).set_function(lambda key=key: counts[key])
+
+    def watch_membership(self, state, registered) -> None:
+        """Gauges of the node's place in the ring: ``state()`` (a ``NodeState``) and ``registered()``
+        (its record is in etcd under a live lease).  Only for a node that registers (with etcd)."""
+        r = self.registry
+        gauge = Gauge("kvring_node_state", "1 for the node's current state (joining, active, draining, drained, "
+                      "unhealthy), 0 for the others", ["state"], registry=r)
+        for s in NodeState:
+            gauge.labels(s.value).set_function(lambda s=s: 1 if state() == s else 0)
+        Gauge("kvring_node_registered", "1 while the node's record is in etcd under a live lease (0: clients "
+              "and peers cannot find it)", registry=r).set_function(lambda: 1 if registered() else 0)
+
+    def watch_repair(self, progress) -> None:
+        """Gauges of the node's repair passes (``repair.RepairProgress``, written by the handoff thread)."""
+        r = self.registry
+        for name, doc, read in (
+            ("active", "1 while a repair pass runs", lambda: progress.active),
+            ("moving", "1 while a repair pass restores copies its co-owners lack", lambda: progress.moving),
+            ("incomplete", "1 if the last finished pass left work (an owner did not answer; it runs again)",
+             lambda: progress.incomplete),
+            ("missing", "Owner copies the current (or last) pass found missing", lambda: progress.missing),
+            ("copied", "Of those, copies made so far", lambda: progress.copied),
+            ("passes_total", "Repair passes finished or broken off", lambda: progress.passes),
+            ("copied_total", "Copies repair made, all passes", lambda: progress.copied_total),
+            ("copied_bytes_total", "Bytes of the copies repair made, all passes",
+             lambda: progress.copied_bytes_total),
+        ):
+            Gauge(f"kvring_node_repair_{name}", doc, registry=r).set_function(lambda read=read: int(read()))
 
     def refuse(self) -> None:
         self.refused.inc()

@@ -205,12 +205,14 @@ class CacheNode:
                                          tls=client_tls)
         self.registration.on_fatal = self._registration_lost
         self.registration.start()  # raises ContractMismatch or NodeIdTaken
+        self.metrics.watch_membership(lambda: self.record.state, lambda: self.registration.registered)
         if self.config.handoff:
             self.handoff = Handoff(self.config.node_id, self.config.etcd, self.config.contract,
                                    state=lambda: self.record.state, held=self.held,
                                    on_drained=self.drain.drained, repair_rate=self.config.repair_rate,
                                    repair_interval=self.config.repair_interval, tls=self.config.tls)
             self.drain.handoff = self.handoff
+            self.metrics.watch_repair(self.handoff.repair)
             if self.record.state in LEFT_RING_STATES:
                 self.handoff.reset_drain()
             self.handoff.start()

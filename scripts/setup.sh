@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepare this machine for kvring: system packages (etcd, redis for the benchmark baseline, and
-# the shell linter), a virtual environment in .venv with kvring installed in editable mode, and
+# Prepare this machine for kvring: system packages (etcd, redis for the benchmark baseline, the
+# shell linter and promtool), a virtual environment in .venv with kvring installed in editable mode, and
 # the helm and kubectl binaries the chart tests use.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,9 @@ need=()
 command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || need+=(etcd-server)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck)  # checks the shell scripts (tests/operator)
+# promtool (`promtool check rules`, `promtool test rules`) checks the chart's alerting rules
+# (tests/operator/test_alerts.py); it comes with Debian's Prometheus server.
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # vLLM's CPU backend wants tcmalloc preloaded (its CPU guide; kvring/engine/preload.py).
 ldconfig -p 2>/dev/null | grep -q "libtcmalloc_minimal.so.4" || need+=(libtcmalloc-minimal4)
 if [ ${#need[@]} -gt 0 ]; then
@@ -18,7 +21,7 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
   # Debian starts the packaged services; kvring runs its own on free loopback ports.
-  $SUDO systemctl disable --now etcd redis-server >/dev/null 2>&1 || true
+  $SUDO systemctl disable --now etcd redis-server prometheus prometheus-node-exporter >/dev/null 2>&1 || true
 fi
 
 # -P: never put the working directory on sys.path; this repository's top-level `operator/`
