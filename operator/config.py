@@ -18,10 +18,13 @@ class OperatorConfig:
     kubeconfig: str | None = None  # None: in-cluster service account, else $KUBECONFIG
     liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8081/healthz (kopf's probe server)
     own_namespace: str | None = None  # where the operator's pod runs (POD_NAMESPACE): the NetworkPolicies admit it
+    metrics_port: int = 0  # serve Prometheus /metrics (``metrics.py``) on this port on all addresses; 0: off
 
     def __post_init__(self) -> None:
         for name in ("status_interval", "etcd_timeout", "stats_timeout", "retry_delay"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be 0 (off) or a port number, got {self.metrics_port}")
         if self.cleanup_retries < 0:
             raise ValueError(f"cleanup_retries must be 0 or more, got {self.cleanup_retries}")

@@ -44,6 +44,7 @@ from . import render, rollout, scaling
 from . import status as st
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, OwnedElsewhere
+from .metrics import OperatorMetrics
 from .spec import GROUP, PLURAL, VERSION, ClusterSpec, SpecError, check_name
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class CacheClusterHandlers:
         self.kube: KubeClient | None = None
         self.http: aiohttp.ClientSession | None = None
         self._etcd: dict[tuple[tuple[str, ...], str], Etcd] = {}
+        self.metrics = OperatorMetrics()
 
     # ---- operator lifecycle ------------------------------------------------------------------
 
@@ -254,7 +256,9 @@ class CacheClusterHandlers:
         try:
             cs = parse(name, spec)
         except SpecError as exc:
-            update = st.changed_fields(status, st.invalid_status(status, generation, str(exc), st.now_iso()))
+            new = st.invalid_status(status, generation, str(exc), st.now_iso())
+            self.metrics.observe(namespace, name, None, {**status, **new})
+            update = st.changed_fields(status, new)
             if update:
                 patch.status.update(update)
             return
@@ -279,6 +283,7 @@ class CacheClusterHandlers:
             rollout=roll.status if roll is not None else None, progressing=roll.condition if roll is not None else None)
         new = st.build_status(obs, status, selector=render.selector(name),
                               connector=render.connector_json(name, namespace, cs), now=st.now_iso())
+        self.metrics.observe(namespace, name, cs.replicas, new)
         update = st.changed_fields(status, new)
         if update:
             patch.status.update(update)
@@ -395,6 +400,7 @@ class CacheClusterHandlers:
 
     async def cleanup(self, name: str, namespace: str, spec: Mapping[str, Any], status: Mapping[str, Any],
                       body: kopf.Body, retry: int, logger: logging.Logger, **_: Any) -> None:
+        self.metrics.forget(namespace, name)
         try:
             cs: ClusterSpec | None = parse(name, spec)
         except SpecError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import kopf
+import prometheus_client
 
 from .config import OperatorConfig
 from .handlers import register
@@ -23,7 +24,9 @@ def run(config: OperatorConfig, verbose: bool = False) -> None:
     """
     kopf.configure(verbose=verbose)
     registry = kopf.OperatorRegistry()
-    register(registry, config)
+    handlers = register(registry, config)
+    if config.metrics_port:
+        prometheus_client.start_http_server(config.metrics_port, registry=handlers.metrics.registry)
     where = ", ".join(config.namespaces) if config.namespaces else "all namespaces"
     logger.info("kvring operator: serving CacheClusters in %s (status every %ss)", where, config.status_interval)
     kopf.run(registry=registry, standalone=True, clusterwide=not config.namespaces,

@@ -202,7 +202,8 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
             "template": {
                 "metadata": {
                     "labels": pod_labels,
-                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash(config_data(name, namespace, spec))},
+                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash(config_data(name, namespace, spec)),
+                                    **scrape_annotations(spec.admin_port)},
                 },
                 "spec": {
                     "terminationGracePeriodSeconds": spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
@@ -220,6 +221,13 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
             **disk,
         },
     }
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The ``prometheus.io/*`` annotations a Prometheus that discovers pods by annotation reads (the
+    nodes' ``/metrics`` is on their admin port, open without a token); the chart's PodMonitor,
+    where the Prometheus operator runs, selects the pods by their labels instead."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
 
 
 def _ports(spec: ClusterSpec) -> list[dict[str, Any]]:

@@ -758,6 +758,8 @@ def operator(
         "--own-namespace", envvar="POD_NAMESPACE", show_default=False,
         help="The namespace the operator's pod runs in (the chart sets POD_NAMESPACE): CacheClusters' "
              "NetworkPolicies admit its pods from there.")] = None,
+    metrics_port: Annotated[int, typer.Option(
+        help="Serve Prometheus /metrics on this port (all addresses); 0: off.", min=0, max=65535)] = 0,
     verbose: VerboseOpt = False,
 ) -> None:
     """Run the Kubernetes operator for CacheCluster resources (in a pod: its service account; else $KUBECONFIG)."""
@@ -773,7 +775,8 @@ def operator(
         raise CommandFailed(str(exc)) from None
     run(OperatorConfig(namespaces=tuple(namespace or ()), status_interval=status_interval,
                        etcd_timeout=etcd_timeout, liveness_endpoint=liveness,
-                       own_namespace=own_namespace or None), verbose=verbose)
+                       own_namespace=own_namespace or None, metrics_port=metrics_port),
+        verbose=verbose)
 
 
 @app.command()

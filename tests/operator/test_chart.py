@@ -104,9 +104,10 @@ def test_default_release_is_operator_and_crd_only():
     pod = deploy["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["python", "-P", "-m", "kvring.cli"]
-    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:8081/healthz"]
+    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:8081/healthz", "--metrics-port=8082"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert container["ports"] == [{"name": "health", "containerPort": 8081, "protocol": "TCP"}]
+    assert container["ports"] == [{"name": "health", "containerPort": 8081, "protocol": "TCP"},
+                                  {"name": "metrics", "containerPort": 8082, "protocol": "TCP"}]
     assert container["image"] == "kvring:0.1.0"
     assert pod["serviceAccountName"] == "kv-kvring-operator"
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -166,7 +167,7 @@ def test_operator_and_admin_command_lines_parse_with_the_real_cli(scenario):
 def test_namespaced_operator_gets_roles_not_a_cluster_role():
     docs = by_kind(template(*SCENARIOS["namespaced"]))
     (container,) = docs[("Deployment", "kv-kvring-operator")]["spec"]["template"]["spec"]["containers"]
-    assert container["args"] == ["operator", "--namespace=team-a", "--namespace=team-b"]
+    assert container["args"] == ["operator", "--namespace=team-a", "--namespace=team-b", "--metrics-port=8082"]
     assert "livenessProbe" not in container
     cluster_rules = docs[("ClusterRole", "kv-kvring-operator")]["rules"]
     assert {r for rule in cluster_rules for r in rule["resources"]} == {"customresourcedefinitions", "namespaces"}

@@ -130,8 +130,9 @@ FIELDS = [
                  ("6000", 6000, 6000, 6000), id="ports.data"),
     pytest.param({"ports": {"admin": 9000}},
                  lambda c: (arg(c, "--admin-port"), port(ctr(c), "admin"), port(c[("Service", "kv")], "admin"),
-                            ctr(c)["lifecycle"]["preStop"]["exec"]["command"][-3]),
-                 ("9000", 9000, 9000, "http://127.0.0.1:9000"), id="ports.admin"),
+                            ctr(c)["lifecycle"]["preStop"]["exec"]["command"][-3],
+                            sts(c)["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]),
+                 ("9000", 9000, 9000, "http://127.0.0.1:9000", "9000"), id="ports.admin"),
     pytest.param({"ports": {"events": 7000, "eventsReplay": 7001}},
                  lambda c: (arg(c, "--events-port"), port(ctr(c), "events"), port(c[("Service", "kv-nodes")], "events"),
                             arg(c, "--events-replay-port"), port(ctr(c), "events-replay"),
@@ -497,3 +498,10 @@ def test_renders_are_pure():
 def test_bad_name_is_a_spec_error():
     with pytest.raises(SpecError, match="metadata.name 'Kv_Cache'"):
         render_children("Kv_Cache", "ns", spec_of())
+
+
+def test_node_pods_carry_scrape_annotations_for_their_metrics():
+    meta = sts(children(spec_of()))["spec"]["template"]["metadata"]
+    assert meta["annotations"]["prometheus.io/scrape"] == "true"
+    assert meta["annotations"]["prometheus.io/path"] == "/metrics"
+    assert meta["annotations"]["prometheus.io/port"] == str(port(ctr(children(spec_of())), "admin"))
