@@ -213,15 +213,16 @@ class FrameReader:
         return messages
 
     def _fill_target_tls(self, sock: ssl.SSLSocket, budget: int) -> list[Message]:
-        """Read TLS records straight into the payload being filled, up to ``budget`` bytes or
-        until the socket has none: one tight loop, since each call returns one record (16 KiB)
-        at most.  ``SSLSocket.read`` is the documented call under ``recv_into``."""
+        """Read TLS records straight into the payload being filled, up to ``budget`` bytes (and
+        then what OpenSSL holds decrypted) or until the socket has none: one tight loop, since
+        each call returns one record (16 KiB) at most.  ``SSLSocket.read`` is the documented
+        call under ``recv_into``."""
         target = self._target
         view = memoryview(target)
         size, filled, got = len(target), self._filled, 0
         read = sock.read
         try:
-            while filled < size and got < budget:
+            while filled < size and (got < budget or sock.pending()):  # decrypted bytes: no poll sees them
                 n = read(size - filled, view[filled:])
                 if not n:
                     raise ConnectionClosed("connection closed by the peer")
