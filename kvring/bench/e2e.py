@@ -78,9 +78,9 @@ def _baseline_seconds(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, c
 
 def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
                   intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None,
-                  tls: bool = True) -> dict:
+                  tls: bool = True, dtype: str = "bfloat16") -> dict:
     """Time to first token loaded vs recomputed (see the README); ``tls``: the data plane as
-    `kvring up` runs it (mutual TLS), or plain TCP."""
+    `kvring up` runs it (mutual TLS), or plain TCP; ``dtype``: the model's and its KV cache's."""
     from kvring.engine.run import run_instance, write_tiny_llama
 
     console = Console(width=None if Console().is_terminal else 200)  # the table is 12 columns wide
@@ -100,7 +100,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
         stats: dict[str, list[dict]] = {}
         with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e", tls=tls) as cluster:
             bar.advance(task)
-            base = {"model": model, "max_tokens": 1, "max_model_len": max_len}
+            base = {"model": model, "dtype": dtype, "max_tokens": 1, "max_model_len": max_len}
             for name in ("store", *MODES):
                 bar.update(task, description=f"vLLM instance '{name}'")
                 stats_path = tmp / f"{name}.loads.jsonl"
@@ -145,7 +145,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
         bar.advance(task)
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
-                         "kv_heads": 4, "head_dim": 128}, "tls": tls, "rows": rows}
+                         "kv_heads": 4, "head_dim": 128, "dtype": dtype}, "tls": tls, "rows": rows}
     console.print(_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results
@@ -158,7 +158,7 @@ def _gbps(nbytes: int | None, seconds: float | None) -> float:
 def _table(results: dict) -> Table:
     m = results["model"]
     table = Table(title=f"kvring bench e2e: time to first token, {m['layers']}-layer hidden-{m['hidden']} "
-                        f"Llama (MLP {m['intermediate']}) on CPU, 3 nodes, "
+                        f"Llama (MLP {m['intermediate']}, {m.get('dtype', 'bfloat16')}) on CPU, 3 nodes, "
                         f"{'mutual TLS' if results.get('tls') else 'plain TCP'}")
     for col in ("tokens", "recompute", "no connector", "A: compute+save", *(f"B {mode}" for mode in MODES),
                 "loaded", "load GB/s lw|bulk|async", "bare TLS GB/s", "raw ZMQ GB/s", "plain TCP GB/s",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import time
@@ -478,6 +479,12 @@ def _prompt_sizes(tokens: str, example: str) -> list[int]:
     return sizes
 
 
+class BenchDtype(str, enum.Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     tokens: Annotated[str, typer.Option(help="Prompt lengths, comma-separated.")] = "1024,4096,8192",
@@ -489,6 +496,9 @@ def bench_e2e(
                                                  "instead); the model's 4 KV heads must split over it.",
                                     min=1)] = 1,
     tls: BenchTlsOpt = True,
+    dtype: Annotated[BenchDtype, typer.Option(
+        "--dtype", help="The model's dtype (and its KV cache's). auto: bfloat16 where the CPU computes it natively "
+             "(AVX-512 BF16, AMX), else float32; float32 with --tp.")] = BenchDtype.auto,
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -496,6 +506,7 @@ def bench_e2e(
     with --tp N, TP N and TP 1 instances loading what TP N stored."""
     from kvring.bench.e2e import run_bench_e2e
     from kvring.bench.e2e_tp import KV_HEADS, run_bench_e2e_tp
+    from kvring.engine.run import native_dtype
 
     sizes = _prompt_sizes(tokens, example="1024,4096")
     if tp > 1:
@@ -503,10 +514,15 @@ def bench_e2e(
             raise typer.BadParameter(f"the bench's model has {KV_HEADS} KV heads, which {tp} ranks cannot split; "
                                      "use 2 or 4", param_hint="--tp")
         run_bench_e2e_tp(tp, sizes, layers=layers, hidden=hidden, intermediate=intermediate,
-                         memory=_size(memory, "--memory"), json_out=json_out, plot=plot, tls=tls)
+                         memory=_size(memory, "--memory"), json_out=json_out, plot=plot, tls=tls,
+                         dtype="float32" if dtype is BenchDtype.auto else dtype.value)
         return
+    chosen = native_dtype() if dtype is BenchDtype.auto else dtype.value
+    if chosen == "bfloat16" and native_dtype() != "bfloat16":
+        typer.echo("warning: this CPU has no native bfloat16 (AVX-512 BF16 or AMX): a recompute runs about 100x "
+                   "slower than in float32 and may outlast vLLM's step timeout", err=True)
     run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
-                  json_out=json_out, plot=plot, tls=tls)
+                  json_out=json_out, plot=plot, tls=tls, dtype=chosen)
 
 
 @bench_app.command("shapes")

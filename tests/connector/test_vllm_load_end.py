@@ -50,28 +50,52 @@ def _same(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int16) == y.view(torch.int16)).all(dim=3).all(dim=2)
 
 
-@pytest.mark.parametrize("mode", ["layerwise", "bulk", "async"])
-def test_loaded_kv_is_the_stored_kv_to_the_byte(etcd_server, mode, tmp_path):
+MODES = ("layerwise", "bulk", "async")
+# 4 whole chunks (all cached: every token but the last); 4 chunks and a partial one of 76 tokens
+# (save_unfull_chunk: loaded up to the block boundary before the last token); 3 chunks and a
+# partial one ending mid-block; 8 whole chunks.
+LENGTHS = (1024, 1100, 1000, 2048)
+LOADED = [1023, 1024, 896, 2047]
+
+
+@pytest.fixture(scope="module")
+def dumps(etcd_server, tmp_path_factory):
+    """One instance (A) stores the prompts; one instance per load mode loads them (B), the
+    layerwise one also recomputing them under salts of their own."""
     from kvring.engine.run import write_tiny_llama
 
-    model = str(write_tiny_llama(tmp_path / "model"))
+    tmp = tmp_path_factory.mktemp("load-end")
+    model = str(write_tiny_llama(tmp / "model"))
     rng = np.random.default_rng(1)
-    # 4 whole chunks (all cached: every token but the last); 4 chunks and a partial one of 76
-    # tokens (save_unfull_chunk: loaded up to the block boundary before the last token);
-    # 3 chunks and a partial one ending mid-block; 8 whole chunks.
-    prompts = [rng.integers(10, 2000, size=n).tolist() for n in (1024, 1100, 1000, 2048)]
-    loaded = [1023, 1024, 896, 2047]
-    with LocalCluster(nodes=2, memory=256 << 20, etcd=etcd_server.endpoint, cluster=f"load-end-{mode}") as cluster:
-        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "save_unfull_chunk": True, "load_mode": mode}
-        a = _dump(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p} for p in prompts]})
-        b = _dump(tmp_path, "B", {"model": model, "connector": conn, "prompts": [
-            *({"tokens": p} for p in prompts), *({"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts))]})
-    assert [r["cached"] for r in a] == [0] * len(prompts)
-    assert [r["cached"] for r in b] == loaded + [0] * len(prompts)
-    k = len(prompts)
-    for i, n in enumerate(loaded):
-        stored, got, recomputed = (torch.load(tmp_path / d / f"kv-{j}.pt") for d, j in (("A", i), ("B", i), ("B", k + i)))
-        assert _same(stored, recomputed).all(), "a prefill of the same prompt is bit-stable"
+    prompts = [rng.integers(10, 2000, size=n).tolist() for n in LENGTHS]
+    with LocalCluster(nodes=2, memory=256 << 20, etcd=etcd_server.endpoint, cluster="load-end") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "save_unfull_chunk": True}
+        a = _dump(tmp, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p} for p in prompts]})
+        b = {}
+        for mode in MODES:
+            recompute = [{"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts)] if mode == "layerwise" else []
+            b[mode] = _dump(tmp, f"B-{mode}", {"model": model, "connector": {**conn, "load_mode": mode},
+                                               "prompts": [*({"tokens": p} for p in prompts), *recompute]})
+    return tmp, a, b
+
+
+def test_a_prefill_of_the_same_prompt_is_bit_stable(dumps):
+    tmp, a, b = dumps
+    k = len(LENGTHS)
+    assert [r["cached"] for r in b["layerwise"][k:]] == [0] * k
+    for i in range(k):
+        stored, recomputed = torch.load(tmp / "A" / f"kv-{i}.pt"), torch.load(tmp / "B-layerwise" / f"kv-{k + i}.pt")
+        assert _same(stored, recomputed).all()
+        assert b["layerwise"][k + i]["tokens"] == a[i]["tokens"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loaded_kv_is_the_stored_kv_to_the_byte(dumps, mode):
+    tmp, a, b = dumps
+    assert [r["cached"] for r in a] == [0] * len(LENGTHS)
+    assert [r["cached"] for r in b[mode][:len(LENGTHS)]] == LOADED
+    for i, n in enumerate(LOADED):
+        stored, got = torch.load(tmp / "A" / f"kv-{i}.pt"), torch.load(tmp / f"B-{mode}" / f"kv-{i}.pt")
         bad = (~_same(got, stored)[:, :n]).nonzero().tolist()
         assert not bad, f"prompt {i}: (layer, token) loaded with other bytes than stored: {bad[:8]}"
-        assert b[i]["tokens"] == b[k + i]["tokens"] == a[i]["tokens"]
+        assert b[mode][i]["tokens"] == a[i]["tokens"]
