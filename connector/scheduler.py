@@ -240,6 +240,9 @@ class SchedulerSide:
         if lookup is not None and not lookup.counted and lookup.inputs is not None:
             lookup.counted = True
             self.counters.add(queried_tokens=len(lookup.inputs.tokens), hit_tokens=max(num_external_tokens, 0))
+            rate = self.cost.prefill_rate  # tokens/s of recent steps that computed and loaded nothing
+            if rate and num_external_tokens > 0:
+                self.counters.add(prefill_seconds_avoided=num_external_tokens / rate)
         if num_external_tokens <= 0 or lookup is None:
             return
         hit_tokens = lookup.hit_tokens
