@@ -74,3 +74,16 @@ PY
   rm -f .venv/.kube-tools-*
   touch "$kube_stamp"
 fi
+
+# NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`), which
+# tests/events/test_dynamo_pool_stream.py runs against the pool's event stream: in a virtual
+# environment of its own, since its pins are not the project's.
+DYNAMO=ai-dynamo-runtime==1.6.1
+dynamo_stamp=.venv/dynamo/.installed-${DYNAMO##*==}
+if [ ! -f "$dynamo_stamp" ]; then
+  echo "setup: installing $DYNAMO into .venv/dynamo"
+  rm -rf .venv/dynamo
+  "$PY" -P -m venv .venv/dynamo
+  .venv/dynamo/bin/python -P -m pip install -q "$DYNAMO"
+  touch "$dynamo_stamp"
+fi

@@ -35,7 +35,7 @@ COMMANDS = dict(_commands(typer.main.get_command(app)))
 
 def test_the_commands_are_all_there():
     assert {" ".join(p) for p in COMMANDS} == {
-        "", "node", "up", "demo", "ring", "trace", "drain", "operator", "admin", "bench", "bench data-plane",
+        "", "node", "up", "demo", "ring", "trace", "drain", "operator", "admin", "events", "bench", "bench data-plane",
         "bench e2e", "bench miss", "bench slow-node", "bench membership", "bench repair", "bench tls",
         "bench shapes", "bench gpu", "bench disk"}
 

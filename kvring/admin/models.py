@@ -35,6 +35,15 @@ class ContractView(BaseModel):
     replication: int
 
 
+class PoolEventsView(BaseModel):
+    """Where the pool's KV events are published as one stream: register it with a KV-aware router
+    as one worker (vLLM's wire format; a new subscriber first gets the whole pool)."""
+
+    events_addr: str = Field(description="ZMQ PUB endpoint of the pool stream.")
+    replay_addr: str = Field(description="ZMQ ROUTER endpoint replaying its recent batches.")
+    topic: str = ""
+
+
 class ClusterInfo(BaseModel):
     cluster: str
     etcd: list[str]
@@ -47,6 +56,8 @@ class ClusterInfo(BaseModel):
     drain_requests: list[str] = Field(description="Node ids with a pending drain request.")
     rebalancing: list[str] = Field(description="Nodes restoring copies their co-owners lack (after a node was lost "
                                                "or came back empty) or draining: chunks are moving.")
+    pool_events: PoolEventsView | None = Field(default=None, description="The pool's KV events as one stream, "
+                                               "when `kvring events` (or `kvring up`) publishes them.")
     view: ViewAge
 
 

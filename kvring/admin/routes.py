@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -37,6 +38,7 @@ from .models import (
     NodeDetail,
     NodesView,
     OwnersView,
+    PoolEventsView,
 )
 from .settings import AdminSettings
 from .view import ClusterView
@@ -100,6 +102,7 @@ async def cluster_info(cluster: ClusterHandle = Depends(cluster_of)) -> Response
         drain_requests=sorted(view.drain_requests),
         rebalancing=sorted(n.node_id for n in view.nodes
                            if (n.repair or {}).get("moving") or n.state in LEFT_RING_STATES),
+        pool_events=PoolEventsView(**msgspec.structs.asdict(view.pool_events)) if view.pool_events else None,
         view=age,
     ))
 

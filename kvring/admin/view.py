@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kvring.common.contract import Contract
 from kvring.common.errors import KVRingError, MembershipError
-from kvring.common.records import NodeRecord
+from kvring.common.records import NodeRecord, PoolEventsRecord
 from kvring.common.ring import HashRing
 from kvring.membership.etcd import Etcd
 
@@ -55,6 +55,7 @@ class ClusterView:
     ring: HashRing | None  # None without a contract; rebuilt only when the members change
     drain_requests: frozenset[str]
     nodes: tuple[NodeView, ...]  # each member's record joined with its /stats, by node id
+    pool_events: PoolEventsRecord | None = None  # the pool's event stream, if one runs (``kvring events``)
 
     @property
     def ring_epoch(self) -> int:
@@ -183,7 +184,7 @@ class ViewRefresher:
         nodes = await self._node_views(snap.members)
         return ClusterView(read_at=read_at, read_mono=read_mono, contract=snap.contract, members=snap.members,
                            revision=snap.revision, ring=self._ring(snap.contract, snap.members, snap.revision),
-                           drain_requests=drains, nodes=nodes)
+                           drain_requests=drains, nodes=nodes, pool_events=snap.pool_events)
 
     def _ring(self, contract: Contract | None, members: dict[str, NodeRecord], revision: int) -> HashRing | None:
         """The ring of ``members`` under ``contract``; the last one while neither changed (its

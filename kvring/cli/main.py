@@ -18,6 +18,7 @@ from kvring.common.contract import transfer_config
 from kvring.common.units import format_size, parse_size
 
 if TYPE_CHECKING:
+    from kvring.cachenode.pool_events import PoolEvents
     from kvring.local.cluster import LocalCluster
     from kvring.membership.settings import EtcdSettings
 
@@ -296,9 +297,12 @@ def up(
             cluster_.start()  # stops what it started if it fails
         except FileNotFoundError as exc:  # no etcd binary
             raise CommandFailed(str(exc)) from None
+        from kvring.cachenode.pool_events import PoolEvents
+
+        stream = PoolEvents(cluster_.etcd, cluster)  # the pool's KV events as one stream, for routers
         try:
             try:
-                _print_cluster(cluster_, token)
+                _print_cluster(cluster_, token, stream)
                 if demo:
                     from kvring.bench.workload import demo_workload
                     demo_workload(cluster_.etcd, cluster, echo=typer.echo, tls=cluster_.tls)
@@ -309,11 +313,12 @@ def up(
                 pass  # the way to stop a running cluster (even while it is still being printed): exit 0
         finally:
             _echo_if_possible("stopping ...")
+            stream.close()
             cluster_.close()
             _echo_if_possible("stopped.")
 
 
-def _print_cluster(cluster_: LocalCluster, token: str) -> None:
+def _print_cluster(cluster_: LocalCluster, token: str, stream: PoolEvents) -> None:
     """What ``kvring up`` tells about the cluster it started: addresses, the vLLM flag, the admin API."""
     cluster = cluster_.cluster
     typer.echo(f"kvring cluster {cluster!r} is up: etcd {cluster_.etcd}")
@@ -334,6 +339,8 @@ def _print_cluster(cluster_: LocalCluster, token: str) -> None:
     typer.echo(f"The nodes' admin ports need the node token for flush, drain and key queries: "
                f"--node-token-file {cluster_.node_token_file} (or KVRING_NODE_TOKEN=$(cat "
                f"{cluster_.node_token_file}))")
+    typer.echo(f"KV events of the whole pool, as one worker for a KV-aware router: {stream.events_addr} "
+               f"(replay {stream.replay_addr})")
     typer.echo(f"Inspect: kvring ring --etcd {cluster_.etcd} --cluster {cluster}")
     if cluster_.admin is not None:
         typer.echo(f"Admin API: {cluster_.admin.url} (docs {cluster_.admin.url}/docs); drain and flush need "
@@ -828,6 +835,41 @@ def admin(
         typer.echo("warning: no node token (--node-token-file or KVRING_NODE_TOKEN): the nodes refuse this admin's "
                    "key queries and flushes, so lookup, key owners and flush answer 503", err=True)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="debug" if verbose else "warning")
+
+
+@app.command()
+def events(
+    etcd: EtcdOpt,
+    cluster: ClusterOpt = "default",
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 inside a pod).")] = "127.0.0.1",
+    port: Annotated[int, _port("ZMQ PUB port of the pool's KV events (0: any free port).")] = 5557,
+    replay_port: Annotated[int, _port("ZMQ ROUTER port replaying the pool stream's recent batches.")] = 5558,
+    topic: Annotated[str, typer.Option(help="Topic frame of every KV-event message.")] = "",
+    medium: Annotated[str, typer.Option(help="The tier every event names (vLLM's CPU offload says CPU).")] = "CPU",
+    verbose: VerboseOpt = False,
+) -> None:
+    """Publish the pool's KV events as one stream (one worker for a KV-aware router), until Ctrl-C or SIGTERM."""
+    from kvring.cachenode.pool_events import PoolEvents
+    from kvring.events.publisher import PublisherSettings
+    from kvring.events.relay import RelaySettings
+    from kvring.local.signals import Stopped, stop_on_signals
+
+    _logging(verbose)
+    _free_port(host, port, "--port")
+    _free_port(host, replay_port, "--replay-port")
+    settings = RelaySettings(publisher=PublisherSettings(host=host, port=port, replay_port=replay_port, topic=topic,
+                                                         xpub=True), medium=medium)
+    _etcd_settings(etcd, cluster)  # a malformed --etcd is refused here, with the flag named
+    stream = PoolEvents(etcd, cluster, settings)
+    typer.echo(f"kvring pool events of cluster {cluster!r}: {stream.events_addr} (replay {stream.replay_addr})")
+    try:
+        with stop_on_signals():
+            while True:
+                time.sleep(1)
+    except (Stopped, KeyboardInterrupt):
+        pass
+    finally:
+        stream.close()
 
 
 def main(args: list[str] | None = None) -> int:

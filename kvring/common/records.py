@@ -53,6 +53,15 @@ class RepairReport(msgspec.Struct, frozen=True):
         return not self.running and not self.pending and self.passes > 0 and self.epoch >= since
 
 
+class PoolEventsRecord(msgspec.Struct, frozen=True):
+    """Where the pool's KV events are published as one stream (JSON under ``events`` in etcd,
+    attached to the lease of the process that publishes them: ``kvring events`` or ``kvring up``)."""
+
+    events_addr: str  # ZMQ PUB (an XPUB: a new subscriber gets the pool's snapshot), "tcp://host:port"
+    replay_addr: str  # ZMQ ROUTER replaying the stream's recent batches
+    topic: str = ""
+
+
 def split_data_addr(data_addr: str) -> tuple[str, int]:
     """``tcp://host:port`` (an IPv6 host in brackets) as ``(host, port)``; ``ValueError`` if it is not one."""
     host, _, port = data_addr.removeprefix("tcp://").rpartition(":")

@@ -48,17 +48,24 @@ class PublisherSettings:
     max_batch: int = 1_000
     interval: float = 0.01
     hwm: int = 100_000
+    # XPUB instead of PUB: ``on_subscribe`` is called (on the publisher's thread) each time a
+    # subscriber joins, so the caller can publish what a newcomer needs (the pool stream's snapshot).
+    xpub: bool = False
 
 
 class EventPublisher:
     """``render`` turns each published item into its event on the publisher's thread (default:
     items are events already)."""
 
-    def __init__(self, settings: PublisherSettings, render: Callable[[Any], Event] | None = None) -> None:
+    def __init__(self, settings: PublisherSettings, render: Callable[[Any], Event] | None = None,
+                 on_subscribe: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self._render = render or (lambda event: event)
+        self._on_subscribe = on_subscribe
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB if settings.xpub else zmq.PUB)
+        if settings.xpub:
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not the first only
         self._pub.set_hwm(settings.hwm)
         self._replay = self._ctx.socket(zmq.ROUTER)
         self.port = self._bind(self._pub, settings.port)
@@ -74,6 +81,7 @@ class EventPublisher:
         self.published_batches = 0
         self.dropped = 0
         self.replays = 0
+        self.subscriptions = 0
         self._thread = threading.Thread(target=self._run, name="kvring-events", daemon=True)
         self._thread.start()
 
@@ -111,7 +119,8 @@ class EventPublisher:
 
     def stats(self) -> dict[str, int]:
         return {"published_events": self.published_events, "published_batches": self.published_batches,
-                "dropped_events": self.dropped, "replays": self.replays, "last_seq": self._seq - 1,
+                "dropped_events": self.dropped, "replays": self.replays, "subscriptions": self.subscriptions,
+                "last_seq": self._seq - 1,
                 "replay_buffer_batches": len(self._buffer), "replay_buffer_bytes": self._buffered_bytes}
 
     # ---- the publisher's thread -------------------------------------------------------------
@@ -121,6 +130,8 @@ class EventPublisher:
             while True:
                 if self._replay.poll(0):
                     self._serve_replay()
+                if self.settings.xpub and self._pub.poll(0):
+                    self._subscribed(self._pub.recv())
                 if self._queue:
                     self._send_batch()
                     time.sleep(self.settings.interval)  # let the next batch gather
@@ -147,6 +158,12 @@ class EventPublisher:
             self._buffered_bytes -= len(self._buffer.popleft()[1])
         self.published_events += len(events)
         self.published_batches += 1
+
+    def _subscribed(self, message: bytes) -> None:
+        if message[:1] == b"\x01":  # a subscription (b"\x00": one going away)
+            self.subscriptions += 1
+            if self._on_subscribe is not None:
+                self._on_subscribe()
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()

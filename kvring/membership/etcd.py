@@ -20,6 +20,8 @@ Layout under ``<prefix>/<cluster>/`` (default prefix ``/kvring``):
   removes it once the pod is back (``cancel_restart``).  A drain request always wins.
 - ``repair/<node-id>``: the node's ``RepairReport`` (attached to its lease), which the
   operator reads to know when repair has settled after a node came back.
+- ``events``: where the pool's KV events are published as one stream (``PoolEventsRecord``,
+  attached to the publishing process's lease; ``cachenode/pool_events.py``).
 
 Node states are ``kvring.common.types.NodeState``.
 
@@ -42,7 +44,7 @@ import msgspec
 
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError
-from kvring.common.records import NodeRecord, RepairReport
+from kvring.common.records import NodeRecord, PoolEventsRecord, RepairReport
 
 from .settings import EtcdSettings, check_node_id
 
@@ -75,6 +77,7 @@ class ClusterSnapshot:
     contract: Contract | None
     members: dict[str, NodeRecord]
     revision: int
+    pool_events: PoolEventsRecord | None = None  # the pool's event stream, if one is running
 
 
 @dataclass(frozen=True)
@@ -210,13 +213,23 @@ class Etcd:
         """The contract and every node record, in one range read of the cluster's prefix."""
         rng = await self.call(lambda c: c.get_prefix(self.settings.key("")))
         contract_key, nodes = self.settings.key("contract"), self.settings.nodes_prefix
-        contract, members = None, {}
+        contract, members, events = None, {}, None
         for kv in rng:
             if kv.key == contract_key:
                 contract = decode_contract(kv.key, kv.value)
+            elif kv.key == self.settings.key("events"):
+                try:
+                    events = msgspec.json.decode(kv.value, type=PoolEventsRecord)
+                except msgspec.DecodeError:
+                    logger.warning("ignoring a malformed pool events record in etcd")
             elif kv.key.startswith(nodes) and (rec := decode_record(kv.key, kv.value)) is not None:
                 members[rec.node_id] = rec
-        return ClusterSnapshot(contract, members, rng.header.revision)
+        return ClusterSnapshot(contract, members, rng.header.revision, events)
+
+    async def put_pool_events(self, record: PoolEventsRecord, lease_id: int) -> None:
+        """Say where the pool's event stream is, for as long as ``lease_id`` lives."""
+        value = msgspec.json.encode(record)
+        await self.call(lambda c: c.put(self.settings.key("events"), value, lease=lease_id))
 
     async def changes(self, after: int, key: bytes | None = None) -> AsyncIterator[Change]:
         """Every change under the cluster's prefix (or of ``key`` alone) after revision ``after``,

@@ -1,0 +1,190 @@
+"""The pool stream (``PoolEvents``) over real etcd and real node processes, read with vLLM's own
+decoder: one sequence, chains across nodes, a lapse in a node's subscription, a late subscriber,
+a node restarted empty, and ``kvring up`` printing it and its admin API showing it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import zmq
+from kv_event_tap import EventTap, removed_hashes, replay, stored_hashes
+from polling import wait_for
+from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+
+from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.pool_events import PoolEvents
+from kvring.common.chunk import ChunkBlocks, ChunkItem
+from kvring.common.contract import Contract
+from kvring.events.relay import RelaySettings
+
+BLOCK = 16
+CHUNK = 64  # 4 blocks a chunk
+
+
+def _chunk(i: int, prompt: int = 0) -> ChunkItem:
+    """Chunk ``i`` of prompt ``prompt``: blocks ``prompt*1000 + 4i ..``, parent the block before."""
+    base = prompt * 1000
+    payload = np.full(4096, i, dtype=np.float32).reshape(2, -1)
+    item = ChunkItem.of_array(bytes([prompt]) + i.to_bytes(15, "big"), payload, tokens=CHUNK, namespace="ns")
+    hashes = [base + 4 * i + b for b in range(4)]
+    return item.with_blocks(ChunkBlocks.of(hashes, base + 4 * i - 1 if i else None,
+                                           list(range(base + CHUNK * i, base + CHUNK * (i + 1))), BLOCK))
+
+
+def _chained(events) -> bool:
+    seen: set = set()
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            seen.clear()
+        elif isinstance(e, BlockStored):
+            if e.parent_block_hash is not None and e.parent_block_hash not in seen:
+                return False
+            seen.update(e.block_hashes)
+    return True
+
+
+def _pool(events) -> set:
+    """What a consumer applying ``events`` in order ends up crediting."""
+    held: set = set()
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            held.clear()
+        elif isinstance(e, BlockStored):
+            held.update(e.block_hashes)
+        else:
+            held.difference_update(e.block_hashes)
+    return held
+
+
+def test_one_stream_chains_a_prompt_across_nodes_and_recovers_a_lapse_and_a_restart(cluster_factory):
+    cluster = cluster_factory(nodes=3, memory=8 << 20, contract=Contract(chunk_size=CHUNK))
+    with PoolEvents(cluster.etcd, cluster.cluster, RelaySettings(check_interval=0.5), interval=0.2) as stream, \
+            ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        tap = EventTap([stream.events_addr])
+        try:
+            wait_for(lambda: stream.stats()["nodes"] == 3, 10, "the relay following the three nodes")
+            items = [_chunk(i) for i in range(8)]
+            assert client.put_many(items) == [1] * 8
+            assert len({client.owners(i.key)[0] for i in items}) == 3  # spread over the nodes
+            wait_for(lambda: _pool(tap.events()) == set(range(32)), 10, "the prompt's 32 blocks on the stream")
+            assert _chained(tap.events())
+            seqs = [seq for _, seq, _ in tap.batches]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one sequence, no gap
+            assert all(e.locality is None and e.ownership is None and e.medium == "CPU"
+                       for e in tap.events() if isinstance(e, BlockStored))
+
+            # A lapse in one node's subscription (what a dropped connection amounts to): the relay
+            # sees the gap in that node's sequence and replays what it missed from the node.
+            owner = client.owners(_chunk(0, prompt=1).key)[0]
+            stream.relay.on_thread(lambda r: r.followed()[owner].setsockopt(zmq.UNSUBSCRIBE, b"")).result(5)
+            time.sleep(0.2)
+            missed = [i for i in range(12) if client.owners(_chunk(i, prompt=1).key)[0] == owner]
+            for i in missed:  # one batch each on the owner's stream
+                assert client.put_many([_chunk(i, prompt=1)]) == [1]
+                time.sleep(0.03)
+            stream.relay.on_thread(lambda r: r.followed()[owner].setsockopt(zmq.SUBSCRIBE, b"")).result(5)
+            time.sleep(0.3)
+            assert client.put_many([_chunk(0, prompt=2)]) == [1]
+            later = [_chunk(i, prompt=1) for i in range(12) if i not in missed]
+            assert client.put_many(later) == [1] * len(later)
+            every = set(range(32)) | {1000 + b for b in range(48)} | {2000, 2001, 2002, 2003}
+            wait_for(lambda: _pool(tap.events()) == every, 10, "the missed batches recovered")
+            assert stream.stats()["recovered"] >= len(missed) and _chained(tap.events())
+
+            # A subscriber that joins now gets the whole pool at once (the publisher is an XPUB).
+            late = EventTap([stream.events_addr])
+            try:
+                wait_for(lambda: _pool(late.events()) == every, 10, "the late subscriber's snapshot")
+                assert isinstance(late.events()[0], AllBlocksCleared) and _chained(late.events())
+            finally:
+                late.close()
+            assert _pool(tap.events()) == every  # the others applied the same reset
+
+            # A node restarted empty: exactly what it held is withdrawn, with what chains through it.
+            index = next(i for i, n in enumerate(cluster.nodes) if n.node_id == owner)
+            held = {h for i in range(8) if client.owners(_chunk(i).key)[0] == owner for h in range(4 * i, 4 * i + 4)}
+            cluster.restart_empty(index)
+            first_gone = min(held) // 4 if held else 8
+            expected = set(range(4 * first_gone)) | {2000, 2001, 2002, 2003}
+            first_gone_1 = min(i for i in range(12) if client.owners(_chunk(i, prompt=1).key)[0] == owner)
+            expected |= {1000 + b for b in range(4 * first_gone_1)}
+            if client.owners(_chunk(0, prompt=2).key)[0] == owner:
+                expected -= {2000, 2001, 2002, 2003}
+            wait_for(lambda: _pool(tap.events()) == expected, 30, "the restarted node's chunks withdrawn")
+            assert removed_hashes(tap.events()) and stored_hashes(tap.events())
+
+            # Its replay socket serves the stream's history from the start, as vLLM's does.
+            history = replay(stream.replay_addr)
+            assert _pool(e for _, b in history for e in b.events) == expected
+        finally:
+            tap.close()
+
+
+def test_kvring_up_prints_the_pool_stream_and_its_admin_api_shows_it():
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.cli", "up", "--nodes", "2", "--memory", "64MiB",
+                             "--no-tls"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "kvring up exited early:\n" + "".join(lines)
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        text = "".join(lines)
+        found = re.search(r"KV events of the whole pool, as one worker for a KV-aware router: (tcp://\S+) "
+                          r"\(replay (tcp://\S+)\)", text)
+        assert found, text
+        events_addr, replay_addr = found.groups()
+        admin = re.search(r"Admin API: (http://127\.0\.0\.1:\d+)", text).group(1)
+
+        def shown():
+            with urllib.request.urlopen(f"{admin}/v1/cluster", timeout=5) as r:
+                return json.loads(r.read()).get("pool_events")
+        assert wait_for(shown, 15, "/v1/cluster showing the pool stream") == {
+            "events_addr": events_addr, "replay_addr": replay_addr, "topic": ""}
+        tap = EventTap([events_addr])
+        try:
+            wait_for(lambda: any(isinstance(e, AllBlocksCleared) for e in tap.events()), 10,
+                     "the snapshot a new subscriber gets")
+        finally:
+            tap.close()
+        assert replay(replay_addr)[0][0] == 0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        finally:
+            proc.stdout.close()
+
+
+def test_kvring_events_runs_the_stream_as_a_process_of_its_own(cluster_factory):
+    cluster = cluster_factory(nodes=2, memory=8 << 20, contract=Contract(chunk_size=CHUNK))
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.cli", "events", "--etcd", cluster.etcd,
+                             "--cluster", cluster.cluster, "--port", "0", "--replay-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        found = re.search(r"(tcp://\S+) \(replay (tcp://\S+)\)", line)
+        assert found, line + (proc.stdout.read() if proc.poll() is not None else "")
+        tap = EventTap([found.group(1)])
+        try:
+            with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+                wait_for(lambda: isinstance((tap.events() or [None])[0], AllBlocksCleared), 10, "the snapshot")
+                assert client.put_many([_chunk(i, prompt=3) for i in range(3)]) == [1] * 3
+            wait_for(lambda: _pool(tap.events()) == set(range(3000, 3012)), 10, "the prompt on the stream")
+        finally:
+            tap.close()
+        proc.terminate()
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
