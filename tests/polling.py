@@ -25,6 +25,21 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = ""
     raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}; last value: {last!r}")
 
 
+def read_until(stream, marker: str, timeout: float = 60.0) -> str:
+    """The lines of ``stream`` (a child's text stdout) up to and with the first that holds
+    ``marker``; an AssertionError with what came if the stream ends first or the time runs out
+    (checked between lines)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        assert line, f"the output ended before {marker!r}:\n" + "".join(lines)
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+    raise AssertionError(f"no {marker!r} within {timeout}s:\n" + "".join(lines))
+
+
 def readyz(admin_addr: str) -> int:
     """The HTTP status of a node's ``/readyz``."""
     try:

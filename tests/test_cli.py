@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import typer
+from polling import read_until
 
 import kvring
 from kvring.cli.main import app
@@ -70,16 +70,8 @@ def test_bad_size_is_a_clear_error():
 def test_up_serves_ring_and_stops_cleanly_on_sigterm():
     proc = subprocess.Popen([*KVRING, "up", "--nodes", "3", "--memory", "64MiB"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    lines = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "kvring up exited early:\n" + "".join(lines)
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                break
-        text = "".join(lines)
+        text = read_until(proc.stdout, "Press Ctrl-C")
         etcd = re.search(r"etcd (127\.0\.0\.1:\d+)", text).group(1)
         admins = re.findall(r"admin (http://127\.0\.0\.1:\d+)", text)
         assert len(admins) == 3 and f'"etcd": "{etcd}"' in text and '"kv_connector": "KVRingConnector"' in text

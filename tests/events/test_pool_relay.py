@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import zmq
 from kv_event_tap import EventTap, removed_hashes, replay, stored_hashes
-from polling import wait_for
+from polling import read_until, wait_for
 from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
 
 from kvring.cachenode.client import ClusterClient
@@ -129,16 +129,8 @@ def test_one_stream_chains_a_prompt_across_nodes_and_recovers_a_lapse_and_a_rest
 def test_kvring_up_prints_the_pool_stream_and_its_admin_api_shows_it():
     proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.cli", "up", "--nodes", "2", "--memory", "64MiB",
                              "--no-tls"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "kvring up exited early:\n" + "".join(lines)
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                break
-        text = "".join(lines)
+        text = read_until(proc.stdout, "Press Ctrl-C")
         found = re.search(r"KV events of the whole pool, as one worker for a KV-aware router: (tcp://\S+) "
                           r"\(replay (tcp://\S+)\)", text)
         assert found, text
