@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,12 +37,13 @@ def require_installed() -> Path:
 
 
 class DynamoIndexer:
-    def __init__(self, block_size: int, port: int | None = None) -> None:
+    def __init__(self, block_size: int, directory: Path, port: int | None = None) -> None:
+        """``directory``: where the indexer runs and logs (a test's temporary directory)."""
         self.block_size = block_size
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._dir = tempfile.mkdtemp(prefix="kvring-dynamo-")
-        self._log = Path(self._dir) / "indexer.log"
+        self._dir = directory
+        self._log = directory / "indexer.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> DynamoIndexer:

@@ -92,7 +92,7 @@ def pool(etcd_server, prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dynamo")
     model = str(write_tiny_llama(tmp / "tiny-llama"))
     with LocalCluster(nodes=3, memory=4 << 20, etcd=etcd_server.endpoint, cluster="dynamo-pool") as cluster:
-        indexer = DynamoIndexer(BLOCK).start()
+        indexer = DynamoIndexer(BLOCK, tmp_path_factory.mktemp("dynamo-indexer")).start()
         pool = Pool(cluster, indexer, prompts)
         try:
             stream = pool.start_stream()
