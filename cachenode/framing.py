@@ -197,10 +197,8 @@ class FrameReader:
 
         Raises ``ConnectionClosed`` on EOF or a broken connection, ``FramingError`` on input
         beyond the limits; returns ``[]`` if nothing could be read yet."""
-        if not isinstance(sock, ssl.SSLSocket):
-            messages = self._read_once(sock)
-        else:
-            messages = self._read_once(sock)
+        messages = self._read_once(sock)
+        if isinstance(sock, ssl.SSLSocket):
             got = self.received
             while self.received and (sock.pending() or got < TLS_READ_BYTES):
                 if self._target is not None:
@@ -237,10 +235,14 @@ class FrameReader:
             self.received = got
         if filled < size:
             return []
-        self._parts.append(target)
-        self._kept += size
-        self._target, self._filled = None, 0
+        self._take_target()
         return self._parse()
+
+    def _take_target(self) -> None:
+        """The payload being filled is complete: it becomes the message's next part."""
+        self._parts.append(self._target)
+        self._kept += len(self._target)
+        self._target, self._filled = None, 0
 
     def _set_low_water(self, sock: socket.socket) -> None:
         """While a large payload is read straight from the socket, have the caller's poll wake
@@ -283,9 +285,7 @@ class FrameReader:
             self._filled += n
             if self._filled < len(target):
                 return []
-            self._parts.append(target)
-            self._kept += len(target)
-            self._target, self._filled = None, 0
+            self._take_target()
         else:
             self._hungry = n == room.nbytes
             self._end += n
