@@ -524,8 +524,9 @@ def bench_e2e(
                          memory=_size(memory, "--memory"), json_out=json_out, plot=plot, tls=tls,
                          dtype="float32" if dtype is BenchDtype.auto else dtype.value)
         return
-    chosen = native_dtype() if dtype is BenchDtype.auto else dtype.value
-    if chosen == "bfloat16" and native_dtype() != "bfloat16":
+    native = native_dtype()
+    chosen = native if dtype is BenchDtype.auto else dtype.value
+    if chosen == "bfloat16" and native != "bfloat16":
         typer.echo("warning: this CPU has no native bfloat16 (AVX-512 BF16 or AMX): a recompute runs about 100x "
                    "slower than in float32 and may outlast vLLM's step timeout", err=True)
     run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
