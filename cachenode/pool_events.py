@@ -7,8 +7,9 @@ node restarted under its id shows up as a new incarnation; one whose lease ran o
 It also says where the stream is, under ``events`` in etcd (a ``PoolEventsRecord`` attached to a
 lease of its own, refreshed on the same task), so the admin API's ``/v1/cluster`` can show it.
 While etcd is away the relay keeps following the nodes it knows.  It runs inside ``kvring up``
-and as ``kvring events`` (a process of its own beside the nodes); a router registers its
-``events_addr`` and ``replay_addr`` as one worker.
+and as ``kvring events`` (a process of its own beside the nodes; on Kubernetes the operator's
+Deployment ``<name>-events``, which records its Service's name: ``RelaySettings.advertise_host``);
+a router registers its ``events_addr`` and ``replay_addr`` as one worker.
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
   for the StatefulSet alone); plan replicas (a scale-in keeps the StatefulSet's size and asks
   the leaving nodes to drain); create the Secrets made once per cluster if they are missing
   (``<name>-tls`` when TLS is on, ``<name>-node-token``), never rewriting them; render, adopt and
-  create-or-patch every other child.
-- ``observe`` (timer): read the StatefulSet, the members in etcd and the nodes' ``/stats``;
+  create-or-patch every other child; delete the optional children it made that the spec no
+  longer wants (NetworkPolicies turned off, the event stream turned off).
+- ``observe`` (timer): read the StatefulSet, the members and the event stream's record in etcd
+  (one read) and the nodes' ``/stats``;
   finish a scale-in once its nodes are drained or its timeout passed; with a disk tier, step
   the rolling update on (``rollout``: restart markers in etcd, the StatefulSet's partition);
   write ``status``.
@@ -36,6 +38,7 @@ import aiohttp
 import kopf
 
 from kvring.common.errors import MembershipError
+from kvring.common.records import PoolEventsRecord
 from kvring.common.tls import credentials_pem
 from kvring.membership.etcd import Etcd
 from kvring.membership.settings import EtcdSettings
@@ -179,13 +182,15 @@ class CacheClusterHandlers:
                 raise kopf.TemporaryError(str(exc), delay=60) from exc
             except KubeError as exc:
                 raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
-        # NetworkPolicies the spec no longer wants (turned off, or etcd no longer managed) go.
-        kept = {c["metadata"]["name"] for c in children if c["kind"] == "NetworkPolicy"}
-        for policy in sorted(set(render.network_policy_names(name)) - kept):
+        # Children the spec no longer wants (NetworkPolicies turned off or for an etcd no longer
+        # managed, the event stream turned off) go, if they are the CacheCluster's own.
+        kept = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
+        for api_version, kind, obj in render.optional_children(name):
+            if (api_version, kind, obj) in kept:
+                continue
             try:
-                if await self.kube.delete_owned("networking.k8s.io/v1", "NetworkPolicy", namespace, policy,
-                                                body.metadata.uid):
-                    results.append(("NetworkPolicy", policy, "deleted"))
+                if await self.kube.delete_owned(api_version, kind, namespace, obj, body.metadata.uid):
+                    results.append((kind, obj, "deleted"))
             except KubeError as exc:
                 raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
         changed = [f"{kind} {obj} {what}" for kind, obj, what in results if what != "unchanged"]
@@ -266,7 +271,7 @@ class CacheClusterHandlers:
         assert self.kube is not None
         target = etcd_target(name, namespace, cs, None)
         sts = await self._get_statefulset(name, namespace)
-        members, revision, etcd_error = await self._members(self.etcd(target))
+        members, revision, pool_events, etcd_error = await self._members(self.etcd(target))
         pending = scaling.ScaleIn.from_annotation(meta.get("annotations", {}).get(scaling.SCALE_IN_ANNOTATION))
         if pending is not None and sts is not None and members is not None:
             sts, pending = await self._advance_scale_in(name, namespace, cs, sts, pending, members, body, patch, logger)
@@ -278,24 +283,26 @@ class CacheClusterHandlers:
 
         obs = st.Observation(
             name=name, generation=generation, desired=cs.replicas, statefulset=sts, members=members,
-            revision=revision, etcd_error=etcd_error, stats=await self._stats(members),
+            revision=revision, etcd_error=etcd_error, pool_events=pool_events, stats=await self._stats(members),
             scale_in=pending.view if pending is not None else None, spec_problem=problem,
             rollout=roll.status if roll is not None else None, progressing=roll.condition if roll is not None else None)
         new = st.build_status(obs, status, selector=render.selector(name),
                               connector=render.connector_json(name, namespace, cs), now=st.now_iso())
         self.metrics.observe(namespace, name, cs.replicas, new)
-        update = st.changed_fields(status, new)
+        update = st.changed_fields(status, new, whole=True)
         if update:
             patch.status.update(update)
 
-    async def _members(self, etcd: Etcd) -> tuple[dict[str, st.Member] | None, int, str]:
+    async def _members(self, etcd: Etcd) -> tuple[dict[str, st.Member] | None, int, PoolEventsRecord | None, str]:
+        """(members, revision, the event stream's record, error) from one read of the cluster's
+        keys; members None and the error's text when etcd cannot be read."""
         try:
-            records, revision = await etcd.members()
+            snap = await etcd.snapshot()
         except MembershipError as exc:
-            return None, 0, str(exc)
+            return None, 0, None, str(exc)
         members = {n: st.Member(node_id=n, state=r.state, capacity=r.capacity, admin_addr=r.admin_addr)
-                   for n, r in records.items()}
-        return members, revision, ""
+                   for n, r in snap.members.items()}
+        return members, snap.revision, snap.pool_events, ""
 
     async def _advance_scale_in(self, name: str, namespace: str, cs: ClusterSpec, sts: dict[str, Any],
                                 pending: scaling.ScaleIn, members: Mapping[str, st.Member], body: kopf.Body,

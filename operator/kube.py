@@ -28,6 +28,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Secret"): "secrets",
     ("v1", "Service"): "services",
     ("apps/v1", "StatefulSet"): "statefulsets",
+    ("apps/v1", "Deployment"): "deployments",  # the pool's KV-event stream (<name>-events)
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
 }

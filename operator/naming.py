@@ -67,6 +67,20 @@ def etcd_peer_service(name: str) -> str:
     return f"{name}-etcd-peer"
 
 
+def pool_events_name(name: str) -> str:
+    """``<name>-events``: the Deployment and Service of the pool's KV-event stream (``kvring events``),
+    and its pods' NetworkPolicy."""
+    return f"{name}-events"
+
+
+def pool_events_host(name: str, namespace: str) -> str:
+    """The stream's Service DNS name: what the relay advertises in etcd and routers connect to."""
+    return f"{pool_events_name(name)}.{namespace}.svc"
+
+
+POOL_EVENTS_COMPONENT = "events"  # the relay pods' app.kubernetes.io/component
+
+
 def selector_labels(name: str, component: str = "cachenode") -> dict[str, str]:
     return {"app.kubernetes.io/name": "kvring", "app.kubernetes.io/instance": name,
             "app.kubernetes.io/component": component}

@@ -100,6 +100,18 @@ def node_env(name: str) -> list[dict[str, Any]]:
     ]
 
 
+def pod_security_context() -> dict[str, Any]:
+    """A kvring pod's ``securityContext``: the image's non-root user, the runtime's seccomp profile."""
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    """A kvring container's ``securityContext``: read-only root, no privilege escalation, no capabilities."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
 def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
     def probe(path: str, period: int, failures: int) -> dict[str, Any]:
         return {"httpGet": {"path": path, "port": "admin"}, "periodSeconds": period,
@@ -124,8 +136,7 @@ def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
         "livenessProbe": probe("/healthz", 10, 3),
         "lifecycle": {"preStop": {"exec": {"command": drain}}},
         "resources": node_resources(spec),
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": container_security_context(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
                          *([{"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}] if spec.tls else []),
                          *([{"name": DISK_VOLUME, "mountPath": DISK_MOUNT}] if spec.disk else [])],
@@ -209,8 +220,7 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
                     "terminationGracePeriodSeconds": spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
-                                        "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": pod_security_context(),
                     "containers": [_container(name, namespace, spec)],
                     "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
                                 *([{"name": "tls", "secret": {"secretName": tls_secret(name), "defaultMode": 0o440}}]

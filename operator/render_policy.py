@@ -1,4 +1,4 @@
-"""NetworkPolicies of a CacheCluster: who may reach its nodes and its managed etcd.
+"""NetworkPolicies of a CacheCluster: who may reach its nodes, its event stream and its managed etcd.
 
 Ingress only (what the pods may send is left alone), one policy per set of pods, each rule a
 set of ports and the peers that may use them:
@@ -7,12 +7,17 @@ set of ports and the peers that may use them:
   nodes (repair, drain handoff, the id probe), from pods labelled ``kvring.io/client=true`` in
   the cluster's namespace and in ``spec.networkPolicy.clientNamespaces`` (vLLM with the
   connector, a router reading the events) and from the admin API (``kvring.io/admin=true``);
-  the admin HTTP port (``/metrics``, ``/stats``, flush and drain behind the node token) from the
-  admin API, the operator (``kvring.io/operator=true`` in the operator's namespace) and every pod
-  of ``spec.networkPolicy.monitoringNamespace``.
+  the two KV-event ports, not the data port, also from this cluster's event stream (the relay
+  pods, ``<name>-events``, which follow every node); the admin HTTP port (``/metrics``,
+  ``/stats``, flush and drain behind the node token) from the admin API, the operator
+  (``kvring.io/operator=true`` in the operator's namespace) and every pod of
+  ``spec.networkPolicy.monitoringNamespace``.
+- ``<name>-events`` (the relay pods, with ``spec.poolEvents.enabled``): the stream's two ports
+  from pods labelled ``kvring.io/client=true`` in the cluster's namespace and in
+  ``clientNamespaces`` (the routers).
 - ``<name>-etcd`` (the managed etcd, when there is one): the client port from kvring's own pods
-  (the nodes, clients, the admin API, the operator), the peer port from its members, the metrics
-  port from the monitoring namespace.
+  (the nodes, the relay, clients, the admin API, the operator), the peer port from its members,
+  the metrics port from the monitoring namespace.
 
 Namespaces are selected by ``kubernetes.io/metadata.name``, the label the API server puts on
 every namespace.  The kubelet's probes need no rule: a NetworkPolicy always admits traffic from
@@ -30,8 +35,10 @@ from .naming import (
     ETCD_METRICS_PORT,
     ETCD_PEER_PORT,
     OPERATOR_LABEL,
+    POOL_EVENTS_COMPONENT,
     etcd_name,
     labels,
+    pool_events_name,
     selector_labels,
 )
 from .spec import ClusterSpec
@@ -64,6 +71,11 @@ def _operator(operator_namespace: str | None) -> dict[str, Any]:
     return _pods(operator) if operator_namespace is None else namespace_peer(operator_namespace, operator)
 
 
+def _relay(name: str, spec: ClusterSpec) -> list[dict[str, Any]]:
+    """A peer list: this cluster's relay pods, when it runs them."""
+    return [_pods(selector_labels(name, POOL_EVENTS_COMPONENT))] if spec.pool_events.enabled else []
+
+
 def _tcp(*ports: int) -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": port} for port in ports]
 
@@ -82,12 +94,22 @@ def render_node_policy(name: str, namespace: str, spec: ClusterSpec,
                        operator_namespace: str | None = None) -> dict[str, Any]:
     """``<name>``: who may reach the node pods, port by port (see the module docstring)."""
     admin = _pods({ADMIN_LABEL: "true"})
+    relay = _relay(name, spec)
     return _policy(name, namespace, labels(name), selector_labels(name), [
         {"ports": _tcp(spec.data_port, spec.events_port, spec.events_replay_port),
          "from": [_pods(selector_labels(name)), *_clients(spec), admin]},
         {"ports": _tcp(spec.admin_port),
          "from": [admin, _operator(operator_namespace), namespace_peer(spec.network_policy.monitoring_namespace)]},
+        *([{"ports": _tcp(spec.events_port, spec.events_replay_port), "from": relay}] if relay else []),
     ])
+
+
+def render_pool_events_policy(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
+    """``<name>-events``: who may reach the relay pods (the routers)."""
+    return _policy(pool_events_name(name), namespace, labels(name, POOL_EVENTS_COMPONENT),
+                   selector_labels(name, POOL_EVENTS_COMPONENT), [
+                       {"ports": _tcp(spec.pool_events.port, spec.pool_events.replay_port), "from": _clients(spec)},
+                   ])
 
 
 def render_etcd_policy(name: str, namespace: str, spec: ClusterSpec,
@@ -96,7 +118,7 @@ def render_etcd_policy(name: str, namespace: str, spec: ClusterSpec,
     members = selector_labels(name, "etcd")
     return _policy(etcd_name(name), namespace, labels(name, "etcd"), members, [
         {"ports": _tcp(ETCD_CLIENT_PORT),
-         "from": [_pods(selector_labels(name)), *_clients(spec), _pods({ADMIN_LABEL: "true"}),
+         "from": [_pods(selector_labels(name)), *_relay(name, spec), *_clients(spec), _pods({ADMIN_LABEL: "true"}),
                   _operator(operator_namespace)]},
         {"ports": _tcp(ETCD_PEER_PORT), "from": [_pods(members)]},
         {"ports": _tcp(ETCD_METRICS_PORT), "from": [namespace_peer(spec.network_policy.monitoring_namespace)]},
@@ -109,6 +131,8 @@ def render_network_policies(name: str, namespace: str, spec: ClusterSpec,
     if not spec.network_policy.enabled:
         return []
     policies = [render_node_policy(name, namespace, spec, operator_namespace)]
+    if spec.pool_events.enabled:
+        policies.append(render_pool_events_policy(name, namespace, spec))
     if spec.etcd.managed:
         policies.append(render_etcd_policy(name, namespace, spec, operator_namespace))
     return policies
@@ -116,4 +140,4 @@ def render_network_policies(name: str, namespace: str, spec: ClusterSpec,
 
 def network_policy_names(name: str) -> list[str]:
     """Every NetworkPolicy name a cluster may have had (the operator deletes them when turned off)."""
-    return [name, etcd_name(name)]
+    return [name, pool_events_name(name), etcd_name(name)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 GROUP = "kvring.io"
@@ -38,6 +39,7 @@ _QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[n
 _ENDPOINT = re.compile(r"^(http://)?[^\s,/]+:[0-9]{1,5}$")
 _SUFFIX = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_FRACTIONS = {"m": Decimal("1e-3"), "u": Decimal("1e-6"), "n": Decimal("1e-9")}
 _TOLERATION_OPERATORS = ("Exists", "Equal")
 _TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 _SPREAD_WHEN = ("DoNotSchedule", "ScheduleAnyway")
@@ -57,6 +59,20 @@ def parse_bytes(text: str) -> int:
     if not m:
         raise ValueError(f"{text!r} is not a byte quantity; write e.g. 4Gi, 512Mi or 1000000000")
     return int(float(m.group(1)) * _SUFFIX[m.group(2)])
+
+
+def _quantity(value: Any) -> Decimal | None:
+    """A Kubernetes quantity (``500m``, ``2``, ``4Gi``, ``1e3``) as a number, or None if it is not one."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        return None
+    m = _QUANTITY.match(str(value))
+    if not m:
+        return None
+    if m.group(8):  # an exponent: 1e3
+        return Decimal(str(value))
+    suffix = m.group(6)
+    scale = _FRACTIONS[suffix] if suffix in _FRACTIONS else Decimal(_SUFFIX[suffix])
+    return Decimal((m.group(1) or "") + m.group(2)) * scale
 
 
 def check_name(name: str) -> str:
@@ -109,6 +125,31 @@ class NetworkPolicySpec:
     client_namespaces: tuple[str, ...] = ()
 
 
+# The relay's container.  Its memory is bounded by the pool it follows, not by traffic: the
+# process itself (~70 MiB RSS measured: interpreter, zmq, the etcd client), the publisher's replay
+# buffer (at most 64 MiB of encoded batches) and send queue (at most 100,000 events), and the
+# ledger of what the pool holds (each block's hashes and token ids: 40-75 bytes per token per copy
+# held, measured; under 1% of the pool's memory for a model whose KV takes 8 KiB or more per
+# token, a 1B Llama's is 32 KiB).  512Mi leaves room for ~4M tokens held; a larger pool needs a
+# higher limit.  An OOM restart costs routers only a resync (each start of the stream begins with
+# AllBlocksCleared).
+DEFAULT_POOL_EVENTS_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+
+
+@dataclass(frozen=True)
+class PoolEventsSpec:
+    """The pool's KV events as one stream for KV-aware routers (``kvring events``), which the
+    operator runs as the Deployment and Service ``<name>-events`` (``render_events``).  Off: not
+    run, and what the operator made is deleted."""
+
+    enabled: bool = True
+    port: int = 5557  # ZMQ PUB (an XPUB: a new subscriber gets the whole pool)
+    replay_port: int = 5558  # ZMQ ROUTER replaying the stream's recent batches
+    topic: str = ""  # the topic frame of every message
+    resources: dict[str, dict[str, str | int]] = field(
+        default_factory=lambda: {part: dict(items) for part, items in DEFAULT_POOL_EVENTS_RESOURCES.items()})
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """A validated CacheCluster spec with every default applied."""
@@ -138,6 +179,7 @@ class ClusterSpec:
     tls: bool = True  # mutual TLS on the data plane, with credentials in the Secret <name>-tls
     disk: DiskSpec | None = None  # a disk tier on a volume per node; None: memory only
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
+    pool_events: PoolEventsSpec = field(default_factory=PoolEventsSpec)
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | None) -> ClusterSpec:
@@ -148,7 +190,7 @@ class ClusterSpec:
 _SPEC_KEYS = ("replicas", "image", "imagePullPolicy", "memoryPerNode", "resources", "chunkSize",
               "virtualNodes", "replication", "evictionPolicy", "leaseTtlSeconds", "drainTimeoutSeconds",
               "etcd", "authSecret", "ports", "nodeSelector", "tolerations", "affinity",
-              "topologySpreadConstraints", "tls", "disk", "networkPolicy")
+              "topologySpreadConstraints", "tls", "disk", "networkPolicy", "poolEvents")
 
 
 class _Reader:
@@ -186,6 +228,7 @@ class _Reader:
             "tls": self._enum(s, "tls", True, (True, False)),
             "disk": self._disk(s.get("disk")),
             "network_policy": self._network_policy(s.get("networkPolicy")),
+            "pool_events": self._pool_events(s.get("poolEvents")),
         }
         values["memory_per_node_raw"], values["memory_per_node"] = self._memory(s)
         (values["data_port"], values["admin_port"], values["events_port"],
@@ -266,29 +309,36 @@ class _Reader:
 
     # -- nested objects --------------------------------------------------------------------------
 
-    def _resources(self, res: Any) -> dict[str, dict[str, str | int]]:
+    def _resources(self, res: Any, where: str = "spec.resources",
+                   memory_derived: bool = True) -> dict[str, dict[str, str | int]]:
+        """A container's requests and limits.  ``memory_derived``: the container's memory is set
+        from ``spec.memoryPerNode`` (the nodes'), so giving it here is a problem."""
         if res is None:
             return {}
         if not isinstance(res, dict):
-            self.problems.append(f"spec.resources must be an object with requests/limits, got {res!r}")
+            self.problems.append(f"{where} must be an object with requests/limits, got {res!r}")
             return {}
-        self._unknown(res, ("requests", "limits"), "spec.resources")
+        self._unknown(res, ("requests", "limits"), where)
         out: dict[str, dict[str, str | int]] = {}
         for part in ("requests", "limits"):
             items = res.get(part)
             if items is None:
                 continue
             if not isinstance(items, dict):
-                self.problems.append(f"spec.resources.{part} must be a map of resource names to quantities")
+                self.problems.append(f"{where}.{part} must be a map of resource names to quantities")
                 continue
             for name, qty in items.items():
-                if name == "memory":
-                    self.problems.append(f"spec.resources.{part}.memory cannot be set: memory is derived "
+                if name == "memory" and memory_derived:
+                    self.problems.append(f"{where}.{part}.memory cannot be set: memory is derived "
                                          "from spec.memoryPerNode; change that instead")
-                elif isinstance(qty, bool) or not (isinstance(qty, int) or
-                                                   (isinstance(qty, str) and _QUANTITY.match(qty))):
-                    self.problems.append(f"spec.resources.{part}.{name} {qty!r} is not a quantity (e.g. 500m, 2)")
+                elif _quantity(qty) is None:
+                    self.problems.append(f"{where}.{part}.{name} {qty!r} is not a quantity (e.g. 500m, 2)")
             out[part] = dict(items)
+        for name, request in out.get("requests", {}).items():
+            low, high = _quantity(request), _quantity(out.get("limits", {}).get(name))
+            if low is not None and high is not None and low > high:
+                self.problems.append(f"{where}.requests.{name} {request} exceeds {where}.limits.{name} "
+                                     f"{out['limits'][name]}; lower the request or raise the limit")
         return out
 
     def _etcd(self, etcd: Any) -> EtcdSpec:
@@ -386,6 +436,28 @@ class _Reader:
         return NetworkPolicySpec(enabled=self._enum(policy, "enabled", True, (True, False), where),
                                  monitoring_namespace=monitoring,
                                  client_namespaces=tuple(ns for ns in clients if self._namespace(ns)))
+
+    def _pool_events(self, events: Any) -> PoolEventsSpec:
+        if events is None:
+            return PoolEventsSpec()
+        where = "spec.poolEvents"
+        if not isinstance(events, dict):
+            self.problems.append(f"{where} must be an object such as {{enabled: false}}, got {events!r}")
+            return PoolEventsSpec()
+        self._unknown(events, ("enabled", "port", "replayPort", "topic", "resources"), where)
+        port = self._int(events, "port", 5557, 1, 65535, where)
+        replay_port = self._int(events, "replayPort", 5558, 1, 65535, where)
+        if port == replay_port:
+            self.problems.append(f"{where}.port and {where}.replayPort are both {port}; give them different ports")
+        topic = events.get("topic", "")
+        if not isinstance(topic, str):
+            self.problems.append(f"{where}.topic must be a string (the topic frame of every message), got {topic!r}")
+            topic = ""
+        resources = PoolEventsSpec().resources
+        if "resources" in events:
+            resources = self._resources(events["resources"], f"{where}.resources", memory_derived=False)
+        return PoolEventsSpec(enabled=self._enum(events, "enabled", True, (True, False), where), port=port,
+                              replay_port=replay_port, topic=topic, resources=resources)
 
     @staticmethod
     def _namespace(value: Any) -> bool:

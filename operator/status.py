@@ -22,6 +22,11 @@ stays the same, as Kubernetes conventions ask):
 
 The ring epoch is the etcd revision at which the membership (node ids and states) last
 changed, as clients number their rings; it stays put while the membership does.
+
+``poolEvents`` says where the pool's KV events are published as one stream (the record the
+relay keeps in etcd under its lease: ``events``, ``replay``, ``topic``); it is left out when no
+stream is recorded (and removed from a status that had it), and kept as it was while etcd cannot
+be read.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvring.common.records import PoolEventsRecord
 from kvring.common.types import NodeState
 
 CONDITION_TYPES = ("Ready", "Degraded", "Rebalancing", "ConfigMismatch", "Progressing")
+OPTIONAL_FIELDS = ("poolEvents",)  # status fields ``build_status`` leaves out when there is nothing to say
 MOVING_STATES = frozenset({NodeState.JOINING, NodeState.DRAINING, NodeState.DRAINED})
 
 
@@ -122,6 +129,7 @@ class Observation:
     members: Mapping[str, Member] | None  # None: etcd could not be read
     revision: int = 0  # etcd revision the members were read at
     etcd_error: str = ""
+    pool_events: PoolEventsRecord | None = None  # the event stream's record, read with the members
     stats: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # node id -> /stats
     scale_in: ScaleInView | None = None
     spec_problem: str = ""  # why the spec cannot be applied to the running cluster ("" if it can)
@@ -250,14 +258,28 @@ def observed_conditions(obs: Observation, nodes: list[dict[str, Any]],
     return [ready, degraded, rebalancing, spec_ok, *([obs.progressing] if obs.progressing is not None else [])]
 
 
+def pool_events_status(obs: Observation, previous: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """``status.poolEvents``: the stream's endpoints from its record; the previous value while etcd
+    cannot be read; None when no stream is recorded."""
+    if obs.members is None:
+        kept = (previous or {}).get("poolEvents")
+        return dict(kept) if isinstance(kept, Mapping) else None
+    record = obs.pool_events
+    if record is None:
+        return None
+    return {"events": record.events_addr, "replay": record.replay_addr, "topic": record.topic}
+
+
 def build_status(obs: Observation, previous: Mapping[str, Any] | None, *, selector: str, connector: str,
                  now: str) -> dict[str, Any]:
-    """The whole ``status`` object for a valid spec."""
+    """The whole ``status`` object for a valid spec (``OPTIONAL_FIELDS`` only when they say something)."""
     _, pods, ready_pods = _sts_numbers(obs.statefulset)
     nodes = node_summaries(obs)
     rollout = {"rollout": dict(obs.rollout)} if obs.rollout is not None else {}
+    pool_events = pool_events_status(obs, previous)
     return {
         **rollout,
+        **({"poolEvents": pool_events} if pool_events is not None else {}),
         "observedGeneration": obs.generation,
         "replicas": pods,
         "readyReplicas": ready_pods,
@@ -278,7 +300,13 @@ def invalid_status(previous: Mapping[str, Any] | None, generation: int, message:
             "conditions": merge_conditions((previous or {}).get("conditions"), updates, generation, now)}
 
 
-def changed_fields(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> dict[str, Any]:
-    """The top-level fields of ``desired`` that differ from ``current`` (a minimal status patch)."""
+def changed_fields(current: Mapping[str, Any] | None, desired: Mapping[str, Any], *,
+                   whole: bool = False) -> dict[str, Any]:
+    """The top-level fields of ``desired`` that differ from ``current`` (a minimal status patch).
+    ``whole``: ``desired`` is the whole status (``build_status``), so an ``OPTIONAL_FIELDS`` field
+    it leaves out is removed (None in a merge patch)."""
     current = current or {}
-    return {k: v for k, v in desired.items() if current.get(k) != v}
+    patch = {k: v for k, v in desired.items() if current.get(k) != v}
+    if whole:
+        patch.update({k: None for k in OPTIONAL_FIELDS if k not in desired and current.get(k) is not None})
+    return patch

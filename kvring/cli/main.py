@@ -843,6 +843,9 @@ def events(
     etcd: EtcdOpt,
     cluster: ClusterOpt = "default",
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 inside a pod).")] = "127.0.0.1",
+    advertise_host: Annotated[str | None, typer.Option(
+        help="Address routers reach the stream at, recorded in etcd and printed (default: --host); with --host "
+             "0.0.0.0, give e.g. the stream's Service name.", show_default=False)] = None,
     port: Annotated[int, _port("ZMQ PUB port of the pool's KV events (0: any free port).")] = 5557,
     replay_port: Annotated[int, _port("ZMQ ROUTER port replaying the pool stream's recent batches.")] = 5558,
     topic: Annotated[str, typer.Option(help="Topic frame of every KV-event message.")] = "",
@@ -856,11 +859,18 @@ def events(
     from kvring.local.signals import Stopped, stop_on_signals
 
     _logging(verbose)
+    try:
+        settings = RelaySettings(publisher=PublisherSettings(host=host, port=port, replay_port=replay_port,
+                                                             topic=topic, xpub=True),
+                                 medium=medium, advertise_host=advertise_host)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     _free_port(host, port, "--port")
     _free_port(host, replay_port, "--replay-port")
-    settings = RelaySettings(publisher=PublisherSettings(host=host, port=port, replay_port=replay_port, topic=topic,
-                                                         xpub=True), medium=medium)
     _etcd_settings(etcd, cluster)  # a malformed --etcd is refused here, with the flag named
+    if advertise_host is None and host in ("0.0.0.0", "::"):
+        typer.echo(f"warning: --host {host} without --advertise-host: etcd records tcp://{host}:..., which no router "
+                   "can reach; give the address routers use", err=True)
     stream = PoolEvents(etcd, cluster, settings)
     typer.echo(f"kvring pool events of cluster {cluster!r}: {stream.events_addr} (replay {stream.replay_addr})")
     try:

@@ -35,7 +35,9 @@ and ``stats`` may be called from any thread.  A replay blocks that thread for at
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -74,6 +76,16 @@ class RelaySettings:
     medium: str | None = "CPU"  # the tier the stream names (vLLM's own CPU offload says "CPU")
     replay_timeout: float = 5.0  # seconds a node's replay may take before it counts as failed
     check_interval: float = 2.0  # seconds between asking each node for batches past the last applied
+    # The host routers reach the stream at, in ``events_addr``/``replay_addr`` (what etcd records
+    # and ``kvring events`` prints); None: the publisher's bind host.  In a pod that binds
+    # 0.0.0.0 it is the stream's Service name (``kvring events --advertise-host``).
+    advertise_host: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.advertise_host is not None and not _reachable_host(self.advertise_host):
+            raise ValueError(f"--advertise-host {self.advertise_host!r} is not an address routers can reach: give a "
+                             "host name or IP address (e.g. kv-cache-events.team-a.svc), not 0.0.0.0 and without "
+                             "scheme or port")
 
 
 class _Followed:
@@ -110,11 +122,14 @@ class PoolRelay:
 
     @property
     def events_addr(self) -> str:
-        return f"tcp://{_host(self.settings.publisher.host)}:{self.publisher.port}"
+        return f"tcp://{self._advertised()}:{self.publisher.port}"
 
     @property
     def replay_addr(self) -> str:
-        return f"tcp://{_host(self.settings.publisher.host)}:{self.publisher.replay_port}"
+        return f"tcp://{self._advertised()}:{self.publisher.replay_port}"
+
+    def _advertised(self) -> str:
+        return _host(self.settings.advertise_host or self.settings.publisher.host)
 
     def set_sources(self, sources: Mapping[str, Source]) -> None:
         """The nodes whose events make the pool now (all of them, each time)."""
@@ -316,3 +331,15 @@ class PoolRelay:
 
 def _host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+_DNS_NAME = re.compile(r"^(?=.{1,253}$)([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$",
+                       re.IGNORECASE)
+
+
+def _reachable_host(host: str) -> bool:
+    """A DNS name or an IP address other than the unspecified one (0.0.0.0, ::)."""
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return bool(_DNS_NAME.match(host))

@@ -21,7 +21,7 @@ import yaml
 from crd_schema import CRD_PATH, ROOT, schema_errors
 
 from kvring.cli.main import app
-from kvring.operator.render import render_children, render_node_token_secret
+from kvring.operator.render import optional_children, render_children, render_node_token_secret
 from kvring.operator.spec import ClusterSpec, check_name
 
 HELM = ROOT / ".venv" / "bin" / "helm"
@@ -128,6 +128,7 @@ def test_rbac_is_least_privilege():
         ("kvring.io", "cacheclusters/status"): {"get", "patch", "update"},
         ("kvring.io", "cacheclusters/finalizers"): {"update"},
         ("apps", "statefulsets"): write,
+        ("apps", "deployments"): write,  # the event stream, <name>-events
         ("", "services"): write,
         ("", "configmaps"): write,
         ("", "secrets"): {"get", "create"},  # the data-plane credentials: made once, never read back out
@@ -184,12 +185,30 @@ def test_rbac_covers_every_kind_the_operator_renders():
     spec = ClusterSpec.from_dict({"memoryPerNode": "1Gi", "etcd": {"managed": {"members": 3}}})
     rules = by_kind(template())[("ClusterRole", "kv-kvring-operator")]["rules"]
     plural = {"ConfigMap": ("", "configmaps"), "Service": ("", "services"), "StatefulSet": ("apps", "statefulsets"),
-              "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+              "Deployment": ("apps", "deployments"), "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
               "NetworkPolicy": ("networking.k8s.io", "networkpolicies")}
     for obj in render_children("kv", "ns", spec):
         group, resource = plural[obj["kind"]]
         verbs = set().union(*(set(r["verbs"]) for r in rules if group in r["apiGroups"] and resource in r["resources"]))
         assert {"get", "create", "patch"} <= verbs, obj["kind"]
+    # What it deletes when the spec no longer wants it.
+    for api_version, kind, _ in optional_children("kv"):
+        group, resource = plural[kind]
+        assert group == api_version.rpartition("/")[0]
+        verbs = set().union(*(set(r["verbs"]) for r in rules if group in r["apiGroups"] and resource in r["resources"]))
+        assert "delete" in verbs, kind
+
+
+def test_the_chart_passes_the_event_stream_settings_to_its_cachecluster():
+    spec = by_kind(template(*SCENARIOS["cachecluster"]))[("CacheCluster", "kv-cache")]["spec"]
+    assert ClusterSpec.from_dict(spec).pool_events == ClusterSpec.from_dict({"memoryPerNode": "1Gi"}).pool_events
+    changed = by_kind(template(*SCENARIOS["cachecluster"], "--set", "poolEvents.port=6000",
+                               "--set", "poolEvents.topic=kv", "--set", "poolEvents.enabled=false"))
+    events = ClusterSpec.from_dict(changed[("CacheCluster", "kv-cache")]["spec"]).pool_events
+    assert (events.enabled, events.port, events.replay_port, events.topic) == (False, 6000, 5558, "kv")
+    # A CacheCluster spec that sets its own keeps it.
+    own = by_kind(template(*SCENARIOS["cachecluster"], "--set", "cacheCluster.spec.poolEvents.port=7000"))
+    assert own[("CacheCluster", "kv-cache")]["spec"]["poolEvents"] == {"port": 7000}
 
 
 def test_crd_has_one_source_of_truth():

@@ -193,6 +193,42 @@ def test_managed_etcd_admits_kvrings_own_pods_only(chart_pods):
     assert not allowed(policies, Pod("default"), etcd, etcd.port("metrics"))
 
 
+def test_the_event_stream_admits_clients_only_and_reaches_the_node_event_ports_and_etcd(chart_pods):
+    """The relay pods (``<name>-events``): routers (clients) may subscribe; they themselves reach
+    every node's two event ports (not its data or admin port) and the managed etcd."""
+    policies, objs = cluster()
+    relay = pod_of(objs["Deployment kv-cache-events"], CLUSTER_NS)
+    node = pod_of(objs["StatefulSet kv-cache"], CLUSTER_NS)
+    etcd = pod_of(objs["StatefulSet kv-cache-etcd"], CLUSTER_NS)
+    other_relay = pod_of(cluster(name="other")[1]["Deployment other-events"], CLUSTER_NS)
+    for port_name in ("events", "events-replay"):
+        port = relay.port(port_name)
+        assert allowed(policies, Pod(CLUSTER_NS, {CLIENT_LABEL: "true"}), relay, port)  # a router so labelled
+        assert allowed(policies, chart_pods["vllm"], relay, port)  # the chart's client pods carry the label
+        assert not allowed(policies, Pod(CLUSTER_NS, {"app": "router"}), relay, port)  # unlabelled
+        assert not allowed(policies, Pod("elsewhere", {CLIENT_LABEL: "true"}), relay, port)  # not a client namespace
+        assert not allowed(policies, node, relay, port)
+        assert not allowed(policies, Pod("monitoring"), relay, port)
+        # The relay follows every node's events and replays.
+        assert allowed(policies, relay, node, node.port(port_name))
+        assert not allowed(policies, other_relay, node, node.port(port_name))  # another CacheCluster's stream
+    assert not allowed(policies, relay, node, node.port("data"))
+    assert not allowed(policies, relay, node, node.port("admin"))
+    assert allowed(policies, relay, etcd, etcd.port("client"))
+    assert not allowed(policies, relay, etcd, etcd.port("peer"))
+    # A client namespace's routers may subscribe too.
+    policies, objs = cluster({"networkPolicy": {"clientNamespaces": ["serving"]}})
+    relay = pod_of(objs["Deployment kv-cache-events"], CLUSTER_NS)
+    assert allowed(policies, Pod("serving", {CLIENT_LABEL: "true"}), relay, relay.port("events"))
+    assert not allowed(policies, Pod("serving"), relay, relay.port("events"))
+    # Turned off: no relay, no policy for it, and nothing admitted in its name.
+    policies, objs = cluster({"poolEvents": {"enabled": False}})
+    assert "Deployment kv-cache-events" not in objs and "NetworkPolicy kv-cache-events" not in objs
+    node = pod_of(objs["StatefulSet kv-cache"], CLUSTER_NS)
+    assert not allowed(policies, relay, node, node.port("events"))
+    assert not allowed(policies, relay, pod_of(objs["StatefulSet kv-cache-etcd"], CLUSTER_NS), 2379)
+
+
 def test_spec_settings_move_the_namespaces_and_follow_the_ports(chart_pods):
     policies, objs = cluster({"networkPolicy": {"monitoringNamespace": "observability",
                                                 "clientNamespaces": ["serving"]},
@@ -221,7 +257,7 @@ def test_an_operator_that_does_not_know_its_namespace_is_admitted_from_the_clust
 
 def test_external_etcd_gets_no_policy_and_disabled_renders_none():
     policies, _ = cluster({"etcd": {"endpoints": ["etcd.infra:2379"]}})
-    assert [p["metadata"]["name"] for p in policies] == ["kv-cache"]
+    assert [p["metadata"]["name"] for p in policies] == ["kv-cache", "kv-cache-events"]
     off = ClusterSpec.from_dict({"memoryPerNode": "1Gi", "networkPolicy": {"enabled": False}})
     assert render_network_policies("kv-cache", CLUSTER_NS, off) == []
     objects = render_children("kv-cache", CLUSTER_NS, off)
@@ -261,8 +297,11 @@ def test_chart_etcd_admits_kvrings_own_pods_only():
     etcd = pod_of(docs[("StatefulSet", "kv-kvring-etcd")], NAMESPACE)
     # The chart's CacheCluster's nodes, as the operator renders them from the chart's spec.
     cc = docs[("CacheCluster", "kv-cache")]
-    node = pod_of(render_children("kv-cache", NAMESPACE, ClusterSpec.from_dict(cc["spec"]))[-1], NAMESPACE)
-    for who in (node, *pods.values()):
+    rendered = {(o["kind"], o["metadata"]["name"]): o
+                for o in render_children("kv-cache", NAMESPACE, ClusterSpec.from_dict(cc["spec"]))}
+    node = pod_of(rendered[("StatefulSet", "kv-cache")], NAMESPACE)
+    relay = pod_of(rendered[("Deployment", "kv-cache-events")], NAMESPACE)  # the event stream reads the members
+    for who in (node, relay, *pods.values()):
         assert allowed(policies, who, etcd, etcd.port("client")), who.labels
     assert not allowed(policies, Pod(NAMESPACE, {"app": "curious"}), etcd, etcd.port("client"))
     assert not allowed(policies, Pod("elsewhere", node.labels), etcd, etcd.port("client"))

@@ -38,7 +38,7 @@ from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.store import ENTRY_OVERHEAD
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
-from kvring.common.records import NodeRecord, RepairReport
+from kvring.common.records import NodeRecord, PoolEventsRecord, RepairReport
 from kvring.local.cluster import NodeProcess
 from kvring.membership.etcd import Etcd
 from kvring.membership.registrar import Registrar
@@ -129,6 +129,10 @@ def children(api: KubeAPI, name: str) -> dict[str, dict | None]:
         "ConfigMap": api.get(path("v1", "configmaps", f"{name}-config")),
         "PodDisruptionBudget": api.get(path("policy/v1", "poddisruptionbudgets", name)),
         "NetworkPolicy": api.get(path("networking.k8s.io/v1", "networkpolicies", name)),
+        # The pool's KV-event stream (spec.poolEvents, on by default) and who may reach it.
+        "Deployment events": api.get(path("apps/v1", "deployments", f"{name}-events")),
+        "Service events": api.get(path("v1", "services", f"{name}-events")),
+        "NetworkPolicy events": api.get(path("networking.k8s.io/v1", "networkpolicies", f"{name}-events")),
         "Secret": api.get(path("v1", "secrets", f"{name}-tls")),  # the data plane's credentials (tls: true)
         "Secret node-token": api.get(path("v1", "secrets", f"{name}-node-token")),  # the nodes' admin ports' token
     }
@@ -155,6 +159,13 @@ def etcd_keys(endpoint: str, cluster: str) -> list[bytes]:
     async def keys(etcd: Etcd):
         return [kv.key for kv in await etcd.call(lambda c: c.get_prefix(etcd.settings.key("")))]
     return etcd_call(endpoint, cluster, keys)
+
+
+async def put_with_lease(etcd: Etcd, record: PoolEventsRecord) -> int:
+    """Write the event stream's record under a lease of its own, as the stream does; the lease's id."""
+    lease = await etcd.call(lambda c: c.lease(30))
+    await etcd.put_pool_events(record, lease.id)
+    return lease.id
 
 
 def members(endpoint: str, cluster: str) -> dict[str, NodeRecord]:
@@ -188,6 +199,10 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
         env = {e["name"]: e.get("valueFrom") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert env["KVRING_NODE_TOKEN"] == {"secretKeyRef": {"name": "cache-node-token", "key": "token"}}
         assert objs["ConfigMap"]["data"]["node-token-secret"] == "cache-node-token"
+        # The event stream follows this cluster's etcd and advertises its Service's name.
+        (relay,) = objs["Deployment events"]["spec"]["template"]["spec"]["containers"]
+        assert relay["args"][relay["args"].index("--etcd") + 1] == etcd_server.endpoint
+        assert relay["args"][relay["args"].index("--advertise-host") + 1] == f"cache-events.{NS}.svc"
         # The status carries the connector settings and a valid-spec condition.
         cr = cc_when(api, "cache", lambda o: o.get("status", {}).get("connector"), what="status.connector")
         assert f'"cluster":"{NS}.cache"' in cr["status"]["connector"]
@@ -204,11 +219,16 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
     assert "Resuming is processed: 1 succeeded" in runner.output
 
 
-def test_network_policies_follow_the_spec_and_go_when_turned_off(kube):
+def test_network_policies_and_the_event_stream_follow_the_spec_and_go_when_turned_off(kube):
     """The operator's own namespace (POD_NAMESPACE in the chart) reaches the policies it renders;
-    turning them off deletes the ones it made and leaves a user's policy of the same name alone."""
+    turning them off deletes the ones it made, turning the event stream off deletes its
+    Deployment and Service, and a user's object of the same name is left alone."""
     api = kube.api
     policy = lambda name: api.get(path("networking.k8s.io/v1", "networkpolicies", name))  # noqa: E731
+
+    def stream() -> tuple[dict | None, dict | None]:
+        return api.get(path("apps/v1", "deployments", "np-events")), api.get(path("v1", "services", "np-events"))
+
     with operator(own_namespace="kvring-system"):
         api.create(cc_path(), cachecluster("np"))
         etcd = wait_for(lambda: policy("np-etcd"), what="the etcd's NetworkPolicy")
@@ -217,19 +237,27 @@ def test_network_policies_follow_the_spec_and_go_when_turned_off(kube):
         operator_peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvring-system"}},
                          "podSelector": {"matchLabels": {"kvring.io/operator": "true"}}}
         assert operator_peer in nodes["spec"]["ingress"][1]["from"] and operator_peer in etcd["spec"]["ingress"][0]["from"]
-        # Moving etcd out removes its policy; turning the policies off removes the nodes' too.
+        assert policy("np-events")["metadata"]["ownerReferences"][0]["name"] == "np"
+        # Moving etcd out removes its policy; turning the policies off removes the others too.
         api.patch(cc_path("np"), {"spec": {"etcd": {"endpoints": ["etcd.infra:2379"]}}})
         wait_for(lambda: policy("np-etcd") is None, what="the etcd's NetworkPolicy deleted")
-        assert policy("np") is not None
+        assert policy("np") is not None and policy("np-events") is not None
         api.patch(cc_path("np"), {"spec": {"networkPolicy": {"enabled": False}}})
-        wait_for(lambda: policy("np") is None, what="the nodes' NetworkPolicy deleted")
-        # A NetworkPolicy of the same name that the CacheCluster does not own is not its to delete.
+        wait_for(lambda: policy("np") is None and policy("np-events") is None, what="the NetworkPolicies deleted")
+        # The event stream turned off: its Deployment and Service go.
+        assert all(stream())
+        api.patch(cc_path("np"), {"spec": {"poolEvents": {"enabled": False}}})
+        wait_for(lambda: stream() == (None, None), what="the event stream's Deployment and Service deleted")
+        # Objects of those names that the CacheCluster does not own are not its to delete.
         api.create(KubeAPI.path("networking.k8s.io/v1", "networkpolicies", NS), {
             "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "np", "namespace": NS},
             "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}})
+        api.create(KubeAPI.path("v1", "services", NS), {
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": "np-events", "namespace": NS},
+            "spec": {"selector": {"app": "router"}, "ports": [{"port": 5557}]}})
         api.patch(cc_path("np"), {"spec": {"replicas": 2}})
-        cc_when(api, "np", lambda o: o.get("status", {}).get("observedGeneration") == 4, what="generation 4 handled")
-        assert policy("np") is not None
+        cc_when(api, "np", lambda o: o.get("status", {}).get("observedGeneration") == 5, what="generation 5 handled")
+        assert policy("np") is not None and stream()[1] is not None
 
 
 def test_managed_etcd_is_created_and_the_connector_points_at_it(kube):
@@ -288,6 +316,17 @@ def test_status_reports_pods_nodes_epoch_and_conditions(kube, etcd_server):
             assert condition(cr, "Degraded")["status"] == "False"
             assert condition(cr, "Rebalancing")["status"] == "False"
             ready_since = condition(cr, "Ready")["lastTransitionTime"]
+
+            # The event stream's record in etcd (as `kvring events` writes it, under its lease)
+            # shows as status.poolEvents, and goes with it.
+            assert "poolEvents" not in st
+            stream = PoolEventsRecord("tcp://stat-events.team-a.svc:5557", "tcp://stat-events.team-a.svc:5558")
+            lease = etcd_call(etcd_server.endpoint, cluster, lambda e: put_with_lease(e, stream))
+            cr = cc_when(api, "stat", lambda o: o["status"].get("poolEvents"), what="status.poolEvents")
+            assert cr["status"]["poolEvents"] == {"events": stream.events_addr, "replay": stream.replay_addr,
+                                                  "topic": ""}
+            etcd_call(etcd_server.endpoint, cluster, lambda e: e.call(lambda c: c.revoke_lease(lease)))
+            cc_when(api, "stat", lambda o: "poolEvents" not in o["status"], what="status.poolEvents removed")
 
             # Bytes stored show up per node (from each node's admin /stats).
             with ClusterClient(etcd_server.endpoint, cluster=cluster) as client:

@@ -72,6 +72,17 @@ def etcd_sts(c):
     return c.get(("StatefulSet", "kv-etcd"))
 
 
+def relay(c):
+    """The event stream's container (None when the spec turns it off)."""
+    deployment = c.get(("Deployment", "kv-events"))
+    return deployment["spec"]["template"]["spec"]["containers"][0] if deployment else None
+
+
+def relay_arg(c, flag):
+    args = relay(c)["args"]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
 # (spec patch, what it changes, the value expected after the change).  The same getter on the
 # default spec must give something else, so each row shows the field reaching the object.
 FIELDS = [
@@ -170,6 +181,18 @@ FIELDS = [
                  str(50 << 30), id="disk.capacity"),
     pytest.param({"networkPolicy": {"enabled": False}}, lambda c: [n for k, n in c if k == "NetworkPolicy"], [],
                  id="networkPolicy.enabled"),
+    pytest.param({"poolEvents": {"enabled": False}},
+                 lambda c: [key for key in c if key[1] == "kv-events"], [], id="poolEvents.enabled"),
+    pytest.param({"poolEvents": {"port": 6557, "replayPort": 6558}},
+                 lambda c: (relay_arg(c, "--port"), port(relay(c), "events"), port(c[("Service", "kv-events")], "events"),
+                            relay_arg(c, "--replay-port"), port(relay(c), "events-replay"),
+                            port(c[("Service", "kv-events")], "events-replay"),
+                            [p["port"] for p in c[("NetworkPolicy", "kv-events")]["spec"]["ingress"][0]["ports"]]),
+                 ("6557", 6557, 6557, "6558", 6558, 6558, [6557, 6558]), id="poolEvents.ports"),
+    pytest.param({"poolEvents": {"topic": "kv"}}, lambda c: relay_arg(c, "--topic"), "kv", id="poolEvents.topic"),
+    pytest.param({"poolEvents": {"resources": {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}}},
+                 lambda c: relay(c)["resources"], {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}},
+                 id="poolEvents.resources"),
     pytest.param({"networkPolicy": {"monitoringNamespace": "observability", "clientNamespaces": ["serving"]}},
                  lambda c: [peer.get("namespaceSelector") for rule in c[("NetworkPolicy", "kv")]["spec"]["ingress"]
                             for peer in rule["from"] if "namespaceSelector" in peer],
@@ -280,12 +303,13 @@ def test_the_rendered_node_env_and_prestop_hook_drain_a_real_node(etcd_server, m
 
 def test_children_in_apply_order():
     managed = [(o["kind"], o["metadata"]["name"]) for o in render_children("kv", "ns", spec_of())]
-    assert managed == [("ConfigMap", "kv-config"), ("NetworkPolicy", "kv"), ("NetworkPolicy", "kv-etcd"),
-                       ("Service", "kv-etcd-peer"), ("Service", "kv-etcd"),
-                       ("StatefulSet", "kv-etcd"), ("Service", "kv-nodes"), ("Service", "kv"),
-                       ("PodDisruptionBudget", "kv"), ("StatefulSet", "kv")]
+    assert managed == [("ConfigMap", "kv-config"), ("NetworkPolicy", "kv"), ("NetworkPolicy", "kv-events"),
+                       ("NetworkPolicy", "kv-etcd"), ("Service", "kv-etcd-peer"), ("Service", "kv-etcd"),
+                       ("StatefulSet", "kv-etcd"), ("Service", "kv-events"), ("Deployment", "kv-events"),
+                       ("Service", "kv-nodes"), ("Service", "kv"), ("PodDisruptionBudget", "kv"), ("StatefulSet", "kv")]
     external = render_children("kv", "ns", spec_of(etcd={"endpoints": ["e:2379"]}))
-    assert [o["metadata"]["name"] for o in external] == ["kv-config", "kv", "kv-nodes", "kv", "kv", "kv"]
+    assert [o["metadata"]["name"] for o in external] == ["kv-config", "kv", "kv-events", "kv-events", "kv-events",
+                                                         "kv-nodes", "kv", "kv", "kv"]
     for obj in render_children("kv", "ns", spec_of()):
         assert obj["metadata"]["namespace"] == "ns"
         assert "ownerReferences" not in obj["metadata"]  # the handlers adopt them

@@ -14,7 +14,16 @@ import pytest
 from crd_schema import apply_defaults, load_crd, load_examples, openapi_schema, schema_errors
 
 from kvring.operator import spec as spec_mod
-from kvring.operator.spec import ClusterSpec, DiskSpec, EtcdSpec, NetworkPolicySpec, SpecError, check_name, parse_bytes
+from kvring.operator.spec import (
+    ClusterSpec,
+    DiskSpec,
+    EtcdSpec,
+    NetworkPolicySpec,
+    PoolEventsSpec,
+    SpecError,
+    check_name,
+    parse_bytes,
+)
 
 VALID = load_examples()
 INVALID = load_examples("invalid")
@@ -118,6 +127,8 @@ def test_defaults():
                               image="quay.io/coreos/etcd:v3.5.17")
     assert (s.resources, s.node_selector, s.tolerations, s.affinity, s.topology_spread) == ({}, {}, (), None, ())
     assert s.network_policy == NetworkPolicySpec(enabled=True, monitoring_namespace="monitoring", client_namespaces=())
+    assert s.pool_events == PoolEventsSpec(enabled=True, port=5557, replay_port=5558, topic="", resources={
+        "requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}})
 
 
 @pytest.mark.parametrize("name", sorted(VALID))
@@ -157,6 +168,8 @@ def test_everything_example_reads_every_field():
     assert s.disk == DiskSpec(size="500Gi", size_bytes=500 << 30, capacity=450 << 30, storage_class="local-nvme")
     assert s.network_policy == NetworkPolicySpec(enabled=True, monitoring_namespace="observability",
                                                  client_namespaces=("serving",))
+    assert s.pool_events == PoolEventsSpec(enabled=True, port=7004, replay_port=7005, topic="kv", resources={
+        "requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}})
 
 
 def test_disk_capacity_defaults_to_ninety_percent_of_the_volume():
@@ -268,6 +281,43 @@ def test_bad_specs_say_what_to_set(spec, says):
     with pytest.raises(SpecError) as info:
         ClusterSpec.from_dict(spec)
     assert says in str(info.value)
+
+
+@pytest.mark.parametrize(("events", "says", "schema_refuses"), [
+    ("on", "spec.poolEvents must be an object such as {enabled: false}, got 'on'", True),
+    ({"enabled": "yes"}, "spec.poolEvents.enabled must be one of True, False; got 'yes'", True),
+    ({"enable": False}, "spec.poolEvents.enable is not a known field; did you mean enabled?", True),
+    ({"port": 0}, "spec.poolEvents.port must be between 1 and 65535, got 0", True),
+    ({"replayPort": "5558"}, "spec.poolEvents.replayPort must be an integer, got '5558'", True),
+    ({"port": 6000, "replayPort": 6000},
+     "spec.poolEvents.port and spec.poolEvents.replayPort are both 6000; give them different ports", False),
+    ({"replayPort": 5557}, "spec.poolEvents.port and spec.poolEvents.replayPort are both 5557", False),
+    ({"topic": 7}, "spec.poolEvents.topic must be a string", True),
+    ({"resources": {"limits": {"memory": "lots"}}}, "spec.poolEvents.resources.limits.memory 'lots' is not a quantity",
+     True),
+    ({"resources": {"memory": "1Gi"}}, "spec.poolEvents.resources.memory is not a known field", True),
+    ({"resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "512Mi"}}},
+     ("spec.poolEvents.resources.requests.memory 1Gi exceeds spec.poolEvents.resources.limits.memory 512Mi; lower "
+      "the request or raise the limit"), False),
+])
+def test_bad_pool_events_settings_say_what_to_set(events, says, schema_refuses):
+    """One line each, saying what to set; the schema refuses what it can express, the operator the rest."""
+    with pytest.raises(SpecError) as info:
+        ClusterSpec.from_dict({"memoryPerNode": "1Gi", "poolEvents": events})
+    assert says in str(info.value)
+    assert len(info.value.problems) == 1 and "\n" not in info.value.problems[0]
+    cr = {"apiVersion": "kvring.io/v1alpha1", "kind": "CacheCluster", "metadata": {"name": "kv"},
+          "spec": {"memoryPerNode": "1Gi", "poolEvents": events}}
+    assert bool(schema_errors(cr)) == schema_refuses, schema_errors(cr)
+
+
+def test_pool_events_resources_are_taken_as_given_and_memory_may_be_set():
+    s = ClusterSpec.from_dict({"memoryPerNode": "1Gi", "poolEvents": {"resources": {"limits": {"memory": "2Gi"}}}})
+    assert s.pool_events.resources == {"limits": {"memory": "2Gi"}}  # not merged with the defaults
+    assert ClusterSpec.from_dict({"memoryPerNode": "1Gi", "poolEvents": {"enabled": False}}).pool_events.enabled is False
+    # The nodes' cpu request may not exceed its limit either (the API server would refuse the pods).
+    with pytest.raises(SpecError, match="spec.resources.requests.cpu 2 exceeds spec.resources.limits.cpu 1500m"):
+        ClusterSpec.from_dict({"memoryPerNode": "1Gi", "resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}})
 
 
 def test_every_problem_is_listed_at_once():

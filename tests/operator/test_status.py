@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from crd_schema import schema_errors
 
+from kvring.common.records import PoolEventsRecord
 from kvring.operator import status as st
 from kvring.operator.status import Condition, Member, Observation, ScaleInView
 
@@ -219,6 +220,27 @@ def test_changed_fields_is_a_minimal_patch():
     assert st.changed_fields(previous, again) == {}
     moved = st.build_status(obs(statefulset=sts(3, 2)), previous, selector=SELECTOR, connector="{}", now=T1)
     assert set(st.changed_fields(previous, moved)) == {"readyReplicas", "conditions"}
+
+
+STREAM = PoolEventsRecord("tcp://c-events.ns.svc:5557", "tcp://c-events.ns.svc:5558", "kv")
+
+
+def test_the_event_stream_shows_while_recorded_and_goes_when_its_record_does():
+    shown = st.build_status(obs(pool_events=STREAM), None, selector=SELECTOR, connector="{}", now=T0)
+    assert shown["poolEvents"] == {"events": "tcp://c-events.ns.svc:5557", "replay": "tcp://c-events.ns.svc:5558",
+                                   "topic": "kv"}
+    assert schema_errors(cr(shown)) == []
+    # etcd unreadable: the last known endpoints stay (as the nodes' states do).
+    kept = st.build_status(obs(members=None, etcd_error="timeout"), shown, selector=SELECTOR, connector="{}", now=T1)
+    assert kept["poolEvents"] == shown["poolEvents"]
+    assert st.changed_fields(shown, kept, whole=True).get("poolEvents", "same") == "same"
+    # Read, and no stream recorded (stopped, turned off, its lease ran out): removed.
+    gone = st.build_status(obs(), shown, selector=SELECTOR, connector="{}", now=T1)
+    assert "poolEvents" not in gone
+    assert st.changed_fields(shown, gone, whole=True)["poolEvents"] is None  # a merge patch's delete
+    assert "poolEvents" not in st.changed_fields(gone, gone, whole=True)
+    # A partial status (an invalid spec's) leaves it alone.
+    assert "poolEvents" not in st.changed_fields(shown, st.invalid_status(shown, 4, "bad", T1))
 
 
 def test_ordinal():

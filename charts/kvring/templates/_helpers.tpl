@@ -70,6 +70,10 @@ capabilities:
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch, update, delete]
+# Each CacheCluster's KV-event stream (<name>-events; deleted again when its spec turns it off).
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, list, watch, create, patch, update, delete]
