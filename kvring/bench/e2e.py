@@ -15,9 +15,10 @@ default 6 layers, hidden 1024, GQA 8/4 heads of 128, MLP 11008: 12 KiB of KV per
 
 Every instance first runs a short warm-up prompt, so no figure includes engine start-up or
 first-call compilation.  The connector appends per-step load statistics to a file
-(``stats_path``); the bench turns them into the achieved load bandwidth and measures raw ZMQ and
-a plain TCP socket (the loopback ceiling) moving the same bytes, in the same chunk sizes, layer by
-layer, over loopback in the same run.
+(``stats_path``); the bench turns them into the achieved load bandwidth and measures raw ZMQ, a
+plain TCP socket (the loopback ceiling) and the bare TLS loop moving the same bytes, in the same
+chunk sizes, layer by layer, over loopback: two rounds of each right after each load mode's
+instance, so their medians interleave with kvring's loads (this machine's noise lands on both).
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ def _warmup(instance: str) -> dict:
     return {"tokens": list(range(100, 356)), "salt": f"warm-up-{instance}"}
 
 
-def _baseline_seconds(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, chunks: int, layers: int,
-                      repeats: int = 5) -> float:
-    """Median seconds for a baseline (raw ZMQ, plain TCP, the bare TLS loop) to stream ``chunks``
-    chunks of ``chunk_bytes``, layer by layer."""
+BASELINES = {"raw_zmq": lambda credentials: RawZmq(), "plain_tcp": lambda credentials: PlainTcp(),
+             "bare_tls": lambda credentials: PlainTcp(tls=credentials)}
+
+
+def _baseline_times(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, chunks: int, layers: int,
+                    repeats: int = 2) -> list[float]:
+    """Seconds for a baseline (raw ZMQ, plain TCP, the bare TLS loop) to stream ``chunks`` chunks of
+    ``chunk_bytes``, layer by layer, ``repeats`` times."""
     spec = ChunkSpec("e2e", "bench", (layers, chunk_bytes // layers // 2))
     raw = make()
     try:
@@ -71,9 +76,21 @@ def _baseline_seconds(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, c
             t0 = time.perf_counter()
             raw.stream(keys, spec)
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return times
     finally:
         raw.close()
+
+
+def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict | None], layers: int,
+                      credentials) -> None:
+    """One round of every baseline on the bytes of each prompt's load (``loads``, in prompt order),
+    taken right after an instance ran: the baselines' samples interleave with kvring's loads."""
+    for per_prompt, load in zip(samples, loads):
+        if load and load["bytes"]:
+            chunk_bytes = load["bytes"] // load["chunks"]
+            for name, make in BASELINES.items():
+                per_prompt.setdefault(name, []).extend(
+                    _baseline_times(lambda: make(credentials), chunk_bytes, load["chunks"], layers))
 
 
 def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
@@ -86,7 +103,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
     console = Console(width=None if Console().is_terminal else 200)  # the table is 12 columns wide
     prompts = _prompts(sizes)
     max_len = max(8192, max(sizes) + 64)
-    steps = ["model", "cluster", "store", *MODES, "no connector", "baselines"]
+    steps = ["model", "cluster", "store", *MODES, "no connector"]
     # The model, the instances' logs and every file vLLM and torch write: removed however the run ends.
     with run_directory("bench-e2e") as tmp, \
             Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -98,6 +115,8 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
         bar.update(task, description="starting etcd and 3 cache nodes")
         runs: dict[str, dict] = {}
         stats: dict[str, list[dict]] = {}
+        credentials = generate(tmp / "bare-tls", "bench-e2e")
+        samples: list[dict[str, list[float]]] = [{} for _ in sizes]  # per prompt: baseline -> seconds
         with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e", tls=tls) as cluster:
             bar.advance(task)
             base = {"model": model, "dtype": dtype, "max_tokens": 1, "max_model_len": max_len}
@@ -111,6 +130,10 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 runs[name] = run_instance(tmp, name, {**base, "connector": conn, "prompts": items})
                 stats[name] = [json.loads(line) for line in stats_path.read_text().splitlines()] \
                     if stats_path.exists() else []
+                if name in MODES:
+                    bar.update(task, description="raw ZMQ, plain TCP and the bare TLS loop, the same bytes")
+                    _sample_baselines(samples, [stats[name][i] if i < len(stats[name]) else None
+                                                for i in range(len(sizes))], layers, credentials)
                 bar.advance(task)
         bar.update(task, description="vLLM instance without a connector")
         runs["plain"] = run_instance(tmp, "plain", {**base, "prompts": [_warmup("plain"),
@@ -132,17 +155,10 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                              "load_bytes": load and load["bytes"], "load_seconds": load and load["seconds"],
                              "load_chunks": load and load["chunks"]}
             rows.append(row)
-        bar.update(task, description="raw ZMQ, plain TCP and the bare TLS loop, the same bytes over loopback")
-        credentials = generate(tmp / "bare-tls", "bench-e2e")
-        for row in rows:
-            load = row["bulk"]
-            if load["load_bytes"]:
-                chunk_bytes = load["load_bytes"] // load["load_chunks"]
-                row["raw_zmq_seconds"] = _baseline_seconds(RawZmq, chunk_bytes, load["load_chunks"], layers)
-                row["plain_tcp_seconds"] = _baseline_seconds(PlainTcp, chunk_bytes, load["load_chunks"], layers)
-                row["bare_tls_seconds"] = _baseline_seconds(lambda: PlainTcp(tls=credentials), chunk_bytes,
-                                                            load["load_chunks"], layers)
-        bar.advance(task)
+        for row, per_prompt in zip(rows, samples):
+            for name, times in per_prompt.items():
+                row[f"{name}_seconds"] = statistics.median(times)
+                row[f"{name}_samples"] = len(times)
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
                          "kv_heads": 4, "head_dim": 128, "dtype": dtype}, "tls": tls, "rows": rows}

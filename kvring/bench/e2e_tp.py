@@ -34,7 +34,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvring.bench.dataplane import PlainTcp
-from kvring.bench.e2e import _baseline_seconds, _gbps, _prompts, _warmup
+from kvring.bench.e2e import _baseline_times, _gbps, _prompts, _warmup
 from kvring.bench.report import grouped_bars, spread, summary, write_outputs
 from kvring.cachenode.client import ClusterClient
 from kvring.connector.parts import ChunkPart
@@ -126,8 +126,8 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
                     if load and load["parts"]:
                         part = load["bytes"] // load["parts"]
                         parts = max(1, load["bytes"] // load["workers"] // part)
-                        rep["plain_tcp_gbps"] = _gbps(part * parts, _baseline_seconds(PlainTcp, part, parts, layers,
-                                                                                      repeats=1))
+                        rep["plain_tcp_gbps"] = _gbps(part * parts, _baseline_times(PlainTcp, part, parts, layers,
+                                                                                    repeats=1)[0])
                     reps.append(rep)
                 row[str(t)] = {"recompute_ttft": recompute["ttft"], "repetitions": reps,
                                "loaded_tokens": reps[0]["loaded_tokens"],
