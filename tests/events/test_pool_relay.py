@@ -1,10 +1,12 @@
 """The pool stream (``PoolEvents``) over real etcd and real node processes, read with vLLM's own
 decoder: one sequence, chains across nodes, a lapse in a node's subscription, a late subscriber,
-a node restarted empty, and ``kvring up`` printing it and its admin API showing it."""
+a node restarted empty, a node whose history no longer starts at 0, and ``kvring up`` printing it
+and its admin API showing it."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -18,10 +20,12 @@ from polling import read_until, wait_for
 from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
 
 from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.events import NodeEvents
 from kvring.cachenode.pool_events import PoolEvents
 from kvring.common.chunk import ChunkBlocks, ChunkItem
 from kvring.common.contract import Contract
-from kvring.events.relay import RelaySettings
+from kvring.events.publisher import PublisherSettings
+from kvring.events.relay import PoolRelay, RelaySettings, Source
 
 BLOCK = 16
 CHUNK = 64  # 4 blocks a chunk
@@ -124,6 +128,89 @@ def test_one_stream_chains_a_prompt_across_nodes_and_recovers_a_lapse_and_a_rest
             assert _pool(e for _, b in history for e in b.events) == expected
         finally:
             tap.close()
+
+
+def _blocks(*items: ChunkItem) -> set:
+    return {h for item in items for h in item.meta.blocks.block_hashes}
+
+
+class _Node:
+    """A node's KV events (its own ``NodeEvents``) with a replay buffer of ``buffer`` batches; each
+    store or removal is sent as a batch of its own, and what the node holds is kept alongside."""
+
+    def __init__(self, buffer: int) -> None:
+        self.events = NodeEvents("relay-test", PublisherSettings(buffer_batches=buffer))
+        self.held: dict[bytes, ChunkItem] = {}
+        wait_for(lambda: self.last_seq() == 0, 5, "the node's first batch (AllBlocksCleared)")
+        port, replay_port = self.events.publisher.port, self.events.publisher.replay_port
+        self.source = Source("node-a", "1", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}")
+
+    def last_seq(self) -> int:
+        return self.events.publisher.stats()["last_seq"]
+
+    def store(self, item: ChunkItem) -> None:
+        self.held[item.key] = item
+        self._sent(lambda: self.events.stored(item.key, item.meta))
+
+    def remove(self, item: ChunkItem) -> None:
+        del self.held[item.key]
+        self._sent(lambda: self.events.removed(item.key, item.meta))
+
+    def _sent(self, change) -> None:
+        seq = self.last_seq() + 1
+        change()
+        wait_for(lambda: self.last_seq() == seq, 5, f"the node's batch {seq}")
+
+    def holds(self) -> set:
+        return _blocks(*self.held.values())
+
+
+def test_a_node_whose_history_no_longer_starts_at_0_is_under_credited_never_over_credited(caplog):
+    node = _Node(buffer=5)
+    relay = tap = None
+    try:
+        a = [_chunk(i) for i in range(5)]  # prompt 0: blocks 0..19
+        b = [_chunk(i, prompt=1) for i in range(3)]  # prompt 1: blocks 1000..1011
+        c0 = _chunk(0, prompt=2)
+        # Batches 1..7; a buffer of 5 keeps 3..7: AllBlocksCleared and the stores of a[0], a[1] are gone.
+        for item in (a[0], a[1], b[0], a[2], b[1]):
+            node.store(item)
+        node.remove(a[0])  # evicted: the removal of a block the relay never hears stored
+        node.store(a[3])
+        assert replay(node.source.replay_addr)[0][0] == 3
+
+        relay = PoolRelay(RelaySettings(check_interval=0.5))
+        tap = EventTap([relay.events_addr])
+        relay.set_sources({"node-a": node.source})
+        # a[1]'s store is gone, so a[2], a[3] (held, chained through it) wait; b's chain is credited.
+        wait_for(lambda: _pool(tap.events()) == _blocks(b[0], b[1]), 10, "prompt 1's chain on the stream")
+        stats = relay.stats()
+        assert stats["incomplete"] == 1 and stats["nodes"] == 1
+        assert stats["blocks_held"] == len(_blocks(b[0], b[1], a[2], a[3])) and stats["blocks_published"] == 8
+        assert _pool(tap.events()) < node.holds()
+
+        # Live batches are followed: a chain that grows from a credited block, a new prompt, a
+        # first block stored again; a[4] still waits behind a[1], and a removal withdraws what
+        # chains through it (b[2]) even though the node holds it.
+        for item in (b[2], c0, a[4], a[0]):
+            node.store(item)
+        wait_for(lambda: _pool(tap.events()) == _blocks(*b, c0, a[0]), 10, "the live stores on the stream")
+        node.remove(b[1])
+        expected = _blocks(b[0], c0, a[0])
+        wait_for(lambda: _pool(tap.events()) == expected, 10, "the live removal on the stream")
+        assert expected < node.holds() and _chained(tap.events())
+        assert not _blocks(a[1], a[2], a[3], a[4]) & _pool(tap.events())
+        seqs = [seq for _, seq, _ in tap.batches]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        assert _pool(e for _, batch in replay(relay.replay_addr) for e in batch.events) == expected
+        assert relay.stats()["incomplete"] == 1  # the live batches came in sequence: no other resync
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    finally:
+        if tap is not None:
+            tap.close()
+        if relay is not None:
+            relay.close()
+        node.events.close()
 
 
 def test_kvring_up_prints_the_pool_stream_and_its_admin_api_shows_it():
