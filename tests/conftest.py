@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 
 import pytest
 
+from kvring.engine.run import IN_PROCESS_ENV
 from kvring.local.cluster import LocalCluster, LocalEtcd
 
 _names = itertools.count()
+
+# vLLM engines of one worker (``kvring.engine.run``, here and in the benchmarks the tests run) keep
+# their engine core and worker in one process: each start imports vLLM once instead of three times,
+# some 20 s less on 2 cores, over some forty starts.  The processes vLLM runs in production are
+# still exercised: by `vllm serve` (test_vllm_serve, test_dashboard) and by every tensor- and
+# pipeline-parallel engine (test_vllm_parallel, test_vllm_mla).
+os.environ.setdefault(IN_PROCESS_ENV, "1")
 
 
 @pytest.fixture(scope="session")

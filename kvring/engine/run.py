@@ -17,6 +17,9 @@ SPEC (JSON)::
                                          #   than a prompt's: its prefill is chunked over steps
      "tensor_parallel_size": 1, "pipeline_parallel_size": 1,  # optional: workers in processes of
                                          #   their own, one CPU each (VLLM_CPU_OMP_THREADS_BIND)
+     "in_process": false,                # optional: engine core and worker in this process (vLLM's
+                                         #   VLLM_ENABLE_V1_MULTIPROCESSING=0 and its "uni" executor),
+                                         #   TP 1 and PP 1 only; default: $KVRING_ENGINE_IN_PROCESS=1
      "connector": {...} | null,          # KVRingConnector's kv_connector_extra_config
      "lora": {                           # optional: LLM(enable_lora=True, ...)
          "max_rank": 8,                  # max_lora_rank (vLLM allows 1, 8, 16, 32, 64, ...)
@@ -76,6 +79,7 @@ if TYPE_CHECKING:
 
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ACTIONS = {"signal", "post", "reset_cache", "wait_for", "touch"}  # spec steps that run no prompt
+IN_PROCESS_ENV = "KVRING_ENGINE_IN_PROCESS"  # "1": engines without a spec's "in_process" run in one process
 # vLLM binds its IPC sockets at VLLM_RPC_BASE_PATH/<uuid4>; a Unix socket's path has at most 107 bytes.
 IPC_BASE_MAX = 107 - len("/") - 36
 
@@ -407,6 +411,8 @@ def engine_kwargs(spec: dict) -> dict[str, Any]:
     tp, pp = spec.get("tensor_parallel_size", 1), spec.get("pipeline_parallel_size", 1)
     if tp * pp > 1:
         kw.update(tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp")
+    elif in_process(spec):
+        kw["distributed_executor_backend"] = "uni"
     if spec.get("block_size"):
         kw["block_size"] = spec["block_size"]
     if spec.get("disable_hybrid_kv_cache_manager"):
@@ -423,6 +429,15 @@ def engine_kwargs(spec: dict) -> dict[str, Any]:
                 max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 8192)),
                 gpu_memory_utilization=0.5, seed=0,
                 disable_log_stats=False, **kw)
+
+
+def in_process(spec: dict) -> bool:
+    """Whether ``spec``'s engine runs in one process: its ``in_process``, else
+    ``$KVRING_ENGINE_IN_PROCESS`` (the test suite sets it: each engine start then imports vLLM
+    once instead of three times, ~20 s less on 2 cores); never with several workers.  By default
+    an engine runs as ``vllm serve`` does, its core and worker in processes of their own."""
+    tp, pp = spec.get("tensor_parallel_size", 1), spec.get("pipeline_parallel_size", 1)
+    return tp * pp == 1 and spec.get("in_process", os.environ.get(IN_PROCESS_ENV) == "1")
 
 
 def layout_of(spec: dict, chunk_size: int):
@@ -545,4 +560,6 @@ if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
     _bind_workers(spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1))
+    if in_process(spec):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
     Path(sys.argv[2]).write_text(json.dumps(run(spec)))
