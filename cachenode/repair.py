@@ -62,7 +62,7 @@ class RepairProgress:
     copied: int = 0  # of those, made
     copied_bytes: int = 0
     unreachable: int = 0  # owner answers that did not come (the pass runs again)
-    copied_total: int = 0
+    copied_total: int = 0  # every copy made, all passes (counted as each is made)
     copied_bytes_total: int = 0
     rate_limit: int = 0  # bytes per second (0: none)
     epoch: int = 0  # ring epoch of the current (or last) pass
@@ -80,15 +80,21 @@ class RepairProgress:
         self.scanned = self.missing = self.copied = self.copied_bytes = self.unreachable = 0
         self.started_at, self.finished_at = time.time(), None
 
+    def made(self, nbytes: int) -> None:
+        """A copy of ``nbytes`` was stored on an owner: it counts in this pass and in the totals
+        at once (a reader never sees a copy in place that the totals do not count)."""
+        self.copied += 1
+        self.copied_bytes += nbytes
+        self.copied_total += 1
+        self.copied_bytes_total += nbytes
+
     def end(self, incomplete: bool = False) -> None:
-        """The pass is over (finished or broken off): its counts join the totals."""
+        """The pass is over (finished or broken off)."""
         self.last_epoch, self.incomplete = self.epoch, incomplete
         self.active = False
         self.passes += 1
         self.finished_at = time.time()
         self.last_pass_s = round(self.finished_at - (self.started_at or self.finished_at), 3)
-        self.copied_total += self.copied
-        self.copied_bytes_total += self.copied_bytes
 
     @property
     def moving(self) -> bool:
@@ -232,8 +238,7 @@ class RepairPass:
                 for item, ok in zip(copies[node_id], stored):
                     if ok:
                         v.holders[by_key[item.key]].add(node_id)
-                        self.progress.copied += 1
-                        self.progress.copied_bytes += memoryview(item.payload).nbytes
+                        self.progress.made(memoryview(item.payload).nbytes)
                     else:
                         self.incomplete = True
 
