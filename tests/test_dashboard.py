@@ -148,6 +148,8 @@ def _workload(cluster, server: VLLMServer, prom: LocalPrometheus, events: list[t
         prom.add_target(joined.admin_addr, job="kvring-nodes", namespace="kvring", pod=joined.node_id,
                         cachecluster=cluster.cluster)
         events.append((time.time(), f"{joined.node_id} joins"))
+        wait_for(lambda: prom.query(f'up{{pod="{joined.node_id}"}} == 1'), timeout=30,
+                 what=f"Prometheus's first scrape of {joined.node_id}\n{prom.log_tail()}")
         wait_for(lambda: sum(_node_values(n).get("kvring_node_repair_copied_total", 0) for n in cluster.nodes),
                  timeout=30, what="repair copies to the joined node")
         time.sleep(PACE_S)
