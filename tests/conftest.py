@@ -16,8 +16,9 @@ _names = itertools.count()
 # vLLM engines of one worker (``kvring.engine.run``, here and in the benchmarks the tests run) keep
 # their engine core and worker in one process: each start imports vLLM once instead of three times,
 # some 20 s less on 2 cores, over some forty starts.  The processes vLLM runs in production are
-# still exercised: by `vllm serve` (test_vllm_serve, test_dashboard) and by every tensor- and
-# pipeline-parallel engine (test_vllm_parallel, test_vllm_mla).
+# still exercised: by `vllm serve` (test_vllm_serve, test_dashboard), by every tensor- and
+# pipeline-parallel engine (test_vllm_parallel, test_vllm_mla), and by the tests that race loads
+# against hung or killed nodes (test_vllm_hung_node, the hybrid stop/kill test: "in_process": False).
 os.environ.setdefault(IN_PROCESS_ENV, "1")
 
 
