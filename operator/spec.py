@@ -380,12 +380,20 @@ class _Reader:
                         storage_class=self._str(managed, "storageClassName", None, where),
                         image=self._str(managed, "image", DEFAULT_ETCD_IMAGE, where) or DEFAULT_ETCD_IMAGE)
 
-    def _disk(self, disk: Any) -> DiskSpec | None:
-        if disk is None:
+    def _section(self, value: Any, where: str, example: str) -> dict | None:
+        """An optional object of the spec: None when it is absent, or not an object (a problem,
+        with ``example`` of what to write)."""
+        if value is None:
             return None
+        if not isinstance(value, dict):
+            self.problems.append(f"{where} must be an object such as {example}, got {value!r}")
+            return None
+        return value
+
+    def _disk(self, disk: Any) -> DiskSpec | None:
         where = "spec.disk"
-        if not isinstance(disk, dict):
-            self.problems.append(f"{where} must be an object such as {{size: 100Gi}}, got {disk!r}")
+        disk = self._section(disk, where, "{size: 100Gi}")
+        if disk is None:
             return None
         self._unknown(disk, ("size", "storageClassName", "capacity"), where)
         size, size_bytes = disk.get("size"), 0
@@ -414,11 +422,9 @@ class _Reader:
                         storage_class=self._str(disk, "storageClassName", None, where))
 
     def _network_policy(self, policy: Any) -> NetworkPolicySpec:
-        if policy is None:
-            return NetworkPolicySpec()
         where = "spec.networkPolicy"
-        if not isinstance(policy, dict):
-            self.problems.append(f"{where} must be an object such as {{enabled: false}}, got {policy!r}")
+        policy = self._section(policy, where, "{enabled: false}")
+        if policy is None:
             return NetworkPolicySpec()
         self._unknown(policy, ("enabled", "monitoringNamespace", "clientNamespaces"), where)
         monitoring = policy.get("monitoringNamespace", DEFAULT_MONITORING_NAMESPACE)
@@ -438,11 +444,9 @@ class _Reader:
                                  client_namespaces=tuple(ns for ns in clients if self._namespace(ns)))
 
     def _pool_events(self, events: Any) -> PoolEventsSpec:
-        if events is None:
-            return PoolEventsSpec()
         where = "spec.poolEvents"
-        if not isinstance(events, dict):
-            self.problems.append(f"{where} must be an object such as {{enabled: false}}, got {events!r}")
+        events = self._section(events, where, "{enabled: false}")
+        if events is None:
             return PoolEventsSpec()
         self._unknown(events, ("enabled", "port", "replayPort", "topic", "resources"), where)
         port = self._int(events, "port", 5557, 1, 65535, where)
