@@ -294,7 +294,7 @@ def test_bench_shapes_stores_and_loads_a_llama_an_mla_model_and_a_hybrid(tmp_pat
     for name, s in shapes.items():
         (row,) = s["rows"]
         assert row["whole_chunk_tokens"] == 512 and row["stored_bytes"] == 512 * per_token[name], name
-        assert row["loaded_tokens"] > 0 and row["identical"], name
+        assert row["loaded_tokens"] > 0 and row["identical"], (name, row["repetitions"])
         # A load fetches every part of the prompt (the hybrid's window, 512, covers its 2 chunks).
         assert row["fetched_bytes"]["median"] == row["stored_bytes"], name
         for rep in row["repetitions"]:

@@ -54,6 +54,7 @@ from kvring.bench.e2e import _warmup
 from kvring.bench.e2e_tp import _stored_bytes
 from kvring.bench.report import machine, spread, summary, write_outputs
 from kvring.cachenode.client import ClusterClient
+from kvring.engine.run import decision_between
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
 
@@ -111,6 +112,7 @@ def _rows(a: dict, b: dict, stored: list[int], sizes: Sequence[int], repetitions
             recompute, loaded = b["results"][i], b["results"][i + 1]
             reps.append({"recompute_ttft": recompute["ttft"], "ttft": loaded["ttft"], "loaded_tokens": loaded["cached"],
                          "recompute_cached": recompute["cached"], "fetched_bytes": _loaded_bytes(b["steps"], i + 1),
+                         "decision": decision_between(b["steps"][i]["counters"], b["steps"][i + 1]["counters"]),
                          "identical": loaded["tokens"] == recompute["tokens"]})
         loaded_tokens = min(x["loaded_tokens"] for x in reps)  # vLLM computes the last block whatever it loaded
         fetched = summary([x["fetched_bytes"] for x in reps])
