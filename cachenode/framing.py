@@ -20,7 +20,9 @@ resynchronised after it, so the connection is closed.
 A reader's memory follows what arrived, never what a prefix declared: its receive buffer is
 taken at the first read (``FIRST_BUFFER``), doubles after each recv that filled it (up to
 ``RECV_BUFFER``) and can be let go while it holds nothing (``trim``); a large header is gathered
-as its bytes arrive; a large payload's own buffer is taken once its first byte is here.
+as its bytes arrive; a large payload's own buffer is taken once its first byte is here (a
+client's reader, ``eager``, which trusts its nodes, takes it as soon as the socket is readable at
+the payload's start, so that every byte of it is read straight into it).
 ``held`` is what the reader holds of messages not yet complete, and ``declared`` the size the
 message under way announced, for a server that bounds the total (``server.py``).
 """
@@ -150,9 +152,13 @@ class FrameReader:
     rest of it is read straight from the socket into that buffer."""
 
     def __init__(self, limits: FrameLimits, bufsize: int = RECV_BUFFER,
-                 allocate: Callable[[int], np.ndarray] | None = None) -> None:
+                 allocate: Callable[[int], np.ndarray] | None = None, eager: bool = False) -> None:
         assert bufsize >= 2 * _DIRECT, "a receive buffer must hold a small segment and the prefix before it"
         self.limits = limits
+        # A reader of a trusted peer (a client reading its nodes' replies) takes a large payload's
+        # buffer as soon as the bytes before it are parsed and the socket is readable, and reads
+        # it straight from the socket from its first byte: none of it passes the receive buffer.
+        self.eager = eager
         # Where a payload read straight from the socket lands (a node reuses evicted buffers).
         self.allocate = allocate or _empty
         self._max = bufsize
@@ -267,6 +273,9 @@ class FrameReader:
 
     def _read_once(self, sock: socket.socket) -> list[Message]:
         target = self._target
+        if target is None and self.eager and self._start == self._end and self._next_is_payload():
+            target = self._target = self.allocate(self._sizes[len(self._parts)])
+            self._filled = 0
         try:
             if target is not None:
                 n = sock.recv_into(memoryview(target)[self._filled:])
@@ -290,6 +299,12 @@ class FrameReader:
             self._hungry = n == room.nbytes
             self._end += n
         return self._parse()
+
+    def _next_is_payload(self) -> bool:
+        """Whether the next segment of the message under way is a payload read straight from the
+        socket (a large one, not the header)."""
+        sizes = self._sizes
+        return sizes is not None and 0 < len(self._parts) < len(sizes) and sizes[len(self._parts)] >= _DIRECT
 
     def _room(self) -> memoryview:
         """The free end of the receive buffer: taken at the first read, doubled after a recv

@@ -93,6 +93,7 @@ class _LoadJob:
         self.started = time.perf_counter()
         self.first_layer_s: float | None = None  # until layer 0 of every chunk was in the cache
         self.seconds = 0.0  # until the last layer was
+        self.copy_seconds = 0.0  # of which copying into the paged cache (the rest: fetching and verifying)
         self.nbytes = 0
         self.meter = ReadMeter()  # what each node's share cost (admission learns from it)
         # One flat list of part keys over all requests: each chunk's parts of this worker in
@@ -131,7 +132,9 @@ class _LoadJob:
                         with self._lock:
                             if self.abandoned:
                                 break
+                            t0 = time.perf_counter()
                             self._scatter(layer, i, view)
+                            self.copy_seconds += time.perf_counter() - t0
                         got[layer, i] = True
                         self.nbytes += len(view)
                     except (ValueError, RuntimeError) as exc:  # a chunk of the wrong shape: recompute it
@@ -432,7 +435,7 @@ class WorkerSide:
             self.counters.add(loads=1, loaded_bytes=job.nbytes, load_seconds=job.seconds)
             self.counters.transfers(job.meter.transfers())
         entry = {"mode": self.config.load_mode, "chunks": job.chunks, "parts": len(job.keys), "bytes": job.nbytes,
-                 "seconds": job.seconds, "first_layer_seconds": job.first_layer_s,
+                 "seconds": job.seconds, "first_layer_seconds": job.first_layer_s, "copy_seconds": job.copy_seconds,
                  "failed_blocks": len(job.failed_blocks),
                  # which worker: under tensor or pipeline parallelism each appends its own lines
                  "heads": list(self.shard.heads), "layers": [self.shard.first_layer, self.shard.end_layer]}

@@ -94,7 +94,7 @@ class Connection:
         self.sock.setblocking(False)
         self.poller = select.poll()  # this socket alone, for POLLIN (reused: one wait costs one syscall)
         self.poller.register(self.sock.fileno(), select.POLLIN)
-        self.reader = FrameReader(REPLY_LIMITS, allocate=buffers.take)
+        self.reader = FrameReader(REPLY_LIMITS, allocate=buffers.take, eager=True)
         self.out = SendQueue()
         self.outstanding: set[int] = set()  # rids without their last reply yet
         self.streamed: set[int] = set()  # those whose reply is a stream (GET)

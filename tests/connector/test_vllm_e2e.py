@@ -225,6 +225,8 @@ def test_corrupt_chunk_is_recomputed_in_both_modes(etcd_server, model, prompts, 
                 loads = [json.loads(line) for line in stats.read_text().splitlines()]
                 # One load of the 4 chunks; exactly the corrupt chunk's 2 blocks (256 / 128) failed.
                 assert [(x["chunks"], x["failed_blocks"]) for x in loads] == [(4, 2)]
+                # The copies into the paged cache are a part of the load's time.
+                assert all(0 < x["copy_seconds"] < x["seconds"] for x in loads)
             deadline = time.monotonic() + 10
             while any(client.lookup([bytes.fromhex(k) for k in bad])) and time.monotonic() < deadline:
                 time.sleep(0.2)
