@@ -25,8 +25,9 @@ import pytest
 from rich.console import Console
 
 from kvring.bench.dataplane import CASES, BenchError, ChunkSpec, DataPlaneSettings, PlainTcp, run_data_plane_bench
-from kvring.bench.e2e import MODES, _plot, _table
+from kvring.bench.e2e import BASELINES, MODES, _baseline_times, _plot, _table
 from kvring.common.hashing import DEFAULT_CHUNK_SIZE
+from kvring.common.tls import generate
 
 
 def _leftovers() -> tuple[set[int], set[str]]:
@@ -192,14 +193,36 @@ def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
             "load_chunks": 3}
     results = {"model": {"layers": 2, "hidden": 256, "intermediate": 512}, "tls": True,
                "rows": [{"tokens": 1024, "recompute_ttft": 1.0, "no_connector_ttft": 1.1, "store_ttft": 1.0,
-                         "raw_zmq_seconds": 0.005, "bare_tls_seconds": 0.02, **{mode: dict(load) for mode in MODES}}]}
+                         "raw_zmq_seconds": 0.005, "bare_tls_seconds": 0.02, "bare_tls_nodes_seconds": 0.01,
+                         **{mode: dict(load) for mode in MODES}}]}
     console = Console(record=True, width=300)
     console.print(_table(results))
     text = console.export_text()
     assert all(f"B {mode}" in text for mode in MODES) and "768|768|768" in text
-    assert "mutual TLS" in text and "bare TLS GB/s" in text and "0.47" in text  # 9 MiB in 20 ms
+    assert "mutual TLS" in text and "bare TLS GB/s 1|3 servers" in text
+    assert "0.47|0.94" in text  # 9 MiB in 20 ms from one server, in 10 ms from three
     _plot(results, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_e2e_bare_tls_baseline_streams_every_byte_from_one_server_and_from_three(tmp_path):
+    """The bare TLS loop from three servers at once streams each server's share of the chunks,
+    and all of them; one from which a server's share never came back is an error, not a figure."""
+    credentials = generate(tmp_path / "tls", "bench-e2e")
+    make = lambda: BASELINES["bare_tls"](credentials)  # noqa: E731
+    for servers in (1, 3):
+        times = _baseline_times(make, 96 << 10, 7, 6, repeats=2, servers=servers)
+        assert len(times) == 2 and all(t > 0 for t in times)
+    short = lambda: _Short(tls=credentials)  # noqa: E731
+    with pytest.raises(BenchError, match="streamed"):
+        _baseline_times(short, 96 << 10, 7, 6, repeats=1, servers=3)
+
+
+class _Short(PlainTcp):
+    """The bare TLS loop, but a stream that leaves out its last layer."""
+
+    def stream(self, keys, spec):
+        return super().stream(keys, spec)[:-1]
 
 
 def test_slow_node_bench_reads_each_prompts_decision_from_the_counters_around_it():

@@ -19,6 +19,9 @@ first-call compilation.  The connector appends per-step load statistics to a fil
 plain TCP socket (the loopback ceiling) and the bare TLS loop moving the same bytes, in the same
 chunk sizes, layer by layer, over loopback: two rounds of each right after each load mode's
 instance, so their medians interleave with kvring's loads (this machine's noise lands on both).
+The bare TLS loop is measured from one server (one stream at the cipher's limit) and from as
+many servers as the cluster has nodes, each read by a thread of its own: on a machine whose
+cores the nodes share with vLLM, the latter is what the same bytes cost from three senders.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -37,11 +41,13 @@ from rich.table import Table
 
 from kvring.bench.dataplane import ChunkSpec, PlainTcp, RawZmq
 from kvring.bench.report import grouped_bars, write_outputs
+from kvring.bench.system import BenchError
 from kvring.common.tls import generate
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
 
 MODES = ("layerwise", "bulk", "async")
+NODES = 3  # cache nodes in the bench's cluster
 
 
 def _prompts(sizes: Sequence[int], seed: int = 7) -> list[list[int]]:
@@ -60,37 +66,54 @@ BASELINES = {"raw_zmq": lambda credentials: RawZmq(), "plain_tcp": lambda creden
 
 
 def _baseline_times(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, chunks: int, layers: int,
-                    repeats: int = 2) -> list[float]:
+                    repeats: int = 2, servers: int = 1) -> list[float]:
     """Seconds for a baseline (raw ZMQ, plain TCP, the bare TLS loop) to stream ``chunks`` chunks of
-    ``chunk_bytes``, layer by layer, ``repeats`` times."""
+    ``chunk_bytes``, layer by layer, ``repeats`` times; from ``servers`` servers at once, each
+    holding every ``servers``-th chunk (as a cluster's nodes share a prompt's chunks) and read by
+    a thread of its own."""
     spec = ChunkSpec("e2e", "bench", (layers, chunk_bytes // layers // 2))
-    raw = make()
+    systems: list[RawZmq | PlainTcp] = []
     try:
-        keys = [f"e2e-{i}".encode() for i in range(chunks)]
-        payloads = [np.random.default_rng(i).integers(0, 255, size=chunk_bytes, dtype=np.uint8)
-                    for i in range(chunks)]
-        raw.attach(spec, payloads)
-        raw.put(keys, payloads, spec)
+        shares = []
+        for s in range(servers):
+            systems.append(make())
+            keys = [f"e2e-{i}".encode() for i in range(s, chunks, servers)]
+            payloads = [np.random.default_rng(i).integers(0, 255, size=chunk_bytes, dtype=np.uint8)
+                        for i in range(s, chunks, servers)]
+            systems[-1].attach(spec, payloads)
+            systems[-1].put(keys, payloads, spec)
+            shares.append(keys)
         times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            raw.stream(keys, spec)
-            times.append(time.perf_counter() - t0)
+        with ThreadPoolExecutor(servers) as pool:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                streamed = list(pool.map(lambda system, keys: system.stream(keys, spec), systems, shares))
+                times.append(time.perf_counter() - t0)
+                got = sum(memoryview(v).nbytes for layers_ in streamed for layer in layers_ for v in layer)
+                if got != chunk_bytes * chunks:
+                    raise BenchError(f"a baseline streamed {got} bytes of {chunk_bytes * chunks}")
         return times
     finally:
-        raw.close()
+        for system in systems:
+            system.close()
 
 
 def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict | None], layers: int,
-                      credentials) -> None:
+                      credentials, nodes: int) -> None:
     """One round of every baseline on the bytes of each prompt's load (``loads``, in prompt order),
-    taken right after an instance ran: the baselines' samples interleave with kvring's loads."""
+    taken right after an instance ran: the baselines' samples interleave with kvring's loads.  The
+    bare TLS loop runs twice: from one server (one stream at the cipher's limit) and from as many
+    servers as the cluster has nodes (``bare_tls_nodes``: the same bytes, as many senders
+    sharing this machine's cores as kvring's loads have)."""
     for per_prompt, load in zip(samples, loads):
         if load and load["bytes"]:
             chunk_bytes = load["bytes"] // load["chunks"]
             for name, make in BASELINES.items():
                 per_prompt.setdefault(name, []).extend(
                     _baseline_times(lambda: make(credentials), chunk_bytes, load["chunks"], layers))
+            per_prompt.setdefault("bare_tls_nodes", []).extend(
+                _baseline_times(lambda: BASELINES["bare_tls"](credentials), chunk_bytes, load["chunks"], layers,
+                                servers=nodes))
 
 
 def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
@@ -117,7 +140,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
         stats: dict[str, list[dict]] = {}
         credentials = generate(tmp / "bare-tls", "bench-e2e")
         samples: list[dict[str, list[float]]] = [{} for _ in sizes]  # per prompt: baseline -> seconds
-        with LocalCluster(nodes=3, memory=memory, cluster="bench-e2e", tls=tls) as cluster:
+        with LocalCluster(nodes=NODES, memory=memory, cluster="bench-e2e", tls=tls) as cluster:
             bar.advance(task)
             base = {"model": model, "dtype": dtype, "max_tokens": 1, "max_model_len": max_len}
             for name in ("store", *MODES):
@@ -133,7 +156,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 if name in MODES:
                     bar.update(task, description="raw ZMQ, plain TCP and the bare TLS loop, the same bytes")
                     _sample_baselines(samples, [stats[name][i] if i < len(stats[name]) else None
-                                                for i in range(len(sizes))], layers, credentials)
+                                                for i in range(len(sizes))], layers, credentials, NODES)
                 bar.advance(task)
         bar.update(task, description="vLLM instance without a connector")
         runs["plain"] = run_instance(tmp, "plain", {**base, "prompts": [_warmup("plain"),
@@ -174,10 +197,11 @@ def _gbps(nbytes: int | None, seconds: float | None) -> float:
 def _table(results: dict) -> Table:
     m = results["model"]
     table = Table(title=f"kvring bench e2e: time to first token, {m['layers']}-layer hidden-{m['hidden']} "
-                        f"Llama (MLP {m['intermediate']}, {m.get('dtype', 'bfloat16')}) on CPU, 3 nodes, "
+                        f"Llama (MLP {m['intermediate']}, {m.get('dtype', 'bfloat16')}) on CPU, {NODES} nodes, "
                         f"{'mutual TLS' if results.get('tls') else 'plain TCP'}")
     for col in ("tokens", "recompute", "no connector", "A: compute+save", *(f"B {mode}" for mode in MODES),
-                "loaded", "load GB/s lw|bulk|async", "bare TLS GB/s", "raw ZMQ GB/s", "plain TCP GB/s",
+                "loaded", "load GB/s lw|bulk|async", f"bare TLS GB/s 1|{NODES} servers", "raw ZMQ GB/s",
+                "plain TCP GB/s",
                 "same tokens"):
         table.add_column(col, justify="right", overflow="fold")
     for r in results["rows"]:
@@ -188,7 +212,8 @@ def _table(results: dict) -> Table:
             *(f"{x['ttft']:.3f} s ({r['recompute_ttft'] / x['ttft']:.0f}x)" for x in b),
             "|".join(str(x["loaded_tokens"]) for x in b),
             "|".join(f"{_gbps(x['load_bytes'], x['load_seconds']):.2f}" for x in b),
-            f"{_gbps(r['bulk']['load_bytes'], r.get('bare_tls_seconds')):.2f}",
+            f"{_gbps(r['bulk']['load_bytes'], r.get('bare_tls_seconds')):.2f}|"
+            f"{_gbps(r['bulk']['load_bytes'], r.get('bare_tls_nodes_seconds')):.2f}",
             f"{_gbps(r['bulk']['load_bytes'], r.get('raw_zmq_seconds')):.2f}",
             f"{_gbps(r['bulk']['load_bytes'], r.get('plain_tcp_seconds')):.2f}",
             "yes" if all(x["identical"] for x in b) else "NO")
