@@ -9,8 +9,9 @@ possible, the same credentials, TLS 1.3 through Python's ``ssl``, every message 
 loopback ceiling).  Every repetition PUTs, then GETs (whole, and streamed layer by layer)
 ``chunks`` chunks of each size on all four, interleaved (their order rotating), every byte read
 back compared (one size after the other, each node's memory sized so that a round reuses the
-buffers the last one freed, as the baselines' servers do).  Reported: GB/s medians over the repetitions with their spread, kvring's TLS
-against the bare TLS loop, and against kvring on plain TCP.
+buffers the last one freed, as the baselines' servers do).  Reported: GB/s medians over the
+repetitions with their spread, and kvring's TLS against the bare TLS loop and against kvring on
+plain TCP as the median of each round's own ratio (``paired_ratio``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,18 @@ def _baseline_round(system, items: list[ChunkItem], data: bytes, layers: int) ->
     return {"PUT": t1 - t0, "GET whole": t2 - t1, "GET stream": t3 - t2}
 
 
+def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
+    """``a`` over ``b`` round by round (each round measures both, side by side), summarized: on a
+    machine whose speed drifts between rounds, the rounds' own ratios are steadier than a ratio
+    of medians taken from different rounds."""
+    r = [x / y for x, y in zip(a, b, strict=True)]
+    return {"median": round(statistics.median(r), 3), "min": round(min(r), 3), "max": round(max(r), 3)}
+
+
+def _spread(r: dict[str, float]) -> str:
+    return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+
+
 def _measure(etcd: str, s: TlsSettings, gbps: dict, console: Console) -> None:
     from kvring.cachenode.client import ClusterClient
 
@@ -135,19 +148,20 @@ def run_bench_tls(settings: TlsSettings, json_out: Path | None = None, plot: Pat
             etcd.close()
     results = {"settings": {"sizes": list(s.sizes), "chunks": s.chunks, "layers": s.layers,
                             "repetitions": s.repetitions}, "gbps": gbps}
-    ratios = {size: {op: {"tls / bare-tls": round(statistics.median(by["tls"]) / statistics.median(by["bare-tls"]), 3),
-                          "tls / plain": round(statistics.median(by["tls"]) / statistics.median(by["plain"]), 3)}
+    ratios = {size: {op: {"tls / bare-tls": paired_ratio(by["tls"], by["bare-tls"]),
+                          "tls / plain": paired_ratio(by["tls"], by["plain"])}
                      for op, by in ops.items()} for size, ops in gbps.items()}
     results["ratios"] = ratios
     table = Table(title=f"1 node over loopback, mutual TLS 1.3 vs the bare ssl loop and plain TCP: GB/s, median of "
-                        f"{s.repetitions} interleaved rounds of {s.chunks} chunks (min-max)")
+                        f"{s.repetitions} interleaved rounds of {s.chunks} chunks (min-max); ratios: median of the "
+                        f"rounds' own ratios (min-max)")
     for col in ("size", "operation", *(LABELS[sys] for sys in SYSTEMS), "TLS / bare ssl", "TLS / plain"):
         table.add_column(col, justify="right")
     for size, ops in gbps.items():
         for op, by in ops.items():
             med = {sys: statistics.median(v) for sys, v in by.items()}
             table.add_row(size, op, *(f"{med[sys]:.2f} ({min(by[sys]):.2f}-{max(by[sys]):.2f})" for sys in SYSTEMS),
-                          f"{ratios[size][op]['tls / bare-tls']:.2f}", f"{ratios[size][op]['tls / plain']:.2f}")
+                          *(_spread(ratios[size][op][name]) for name in ("tls / bare-tls", "tls / plain")))
     console.print(table)
 
     def draw(res: dict, path: Path) -> None:
