@@ -61,7 +61,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -257,11 +256,9 @@ class Instance:
 
     Its output (vLLM's log) goes to ``TMP/NAME.log``.  The child's (and vLLM's) temporary files
     (IPC sockets, rendezvous files, torch's inductor cache) go under ``tmpdir`` if set, else under
-    a directory of the instance's own inside this process's temporary directory
-    (``tempfile.gettempdir()``: the run's directory inside ``kvring.local.rundir.run_directory``),
-    removed by ``stop``: a vLLM process that is stopped leaves its IPC sockets behind.
-    ``TMPDIR`` and vLLM's ``VLLM_RPC_BASE_PATH`` point there.  ``env`` adds environment variables
-    (e.g. vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
+    this process's temporary directory (``tempfile.gettempdir()``: the run's directory inside
+    ``kvring.local.rundir.run_directory``): ``TMPDIR`` and vLLM's ``VLLM_RPC_BASE_PATH`` point
+    there.  ``env`` adds environment variables (e.g. vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
     """
 
     def __init__(self, tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,
@@ -269,12 +266,10 @@ class Instance:
         import subprocess
 
         self.name, self.log, self.out = name, tmp / f"{name}.log", tmp / f"{name}.out"
-        base = str(tmpdir) if tmpdir else tempfile.gettempdir()
-        if len(base.encode()) + len("/e-12345678") > IPC_BASE_MAX:
-            raise EngineSetupError(f"vLLM's IPC sockets cannot live under {base} ({len(base.encode())} bytes; a "
+        scratch = str(tmpdir) if tmpdir else tempfile.gettempdir()
+        if len(scratch.encode()) > IPC_BASE_MAX:
+            raise EngineSetupError(f"vLLM's IPC sockets cannot live under {scratch} ({len(scratch.encode())} bytes; a "
                                    f"socket path holds at most 107): point TMPDIR at a shorter directory, e.g. /tmp")
-        self._own = None if tmpdir else Path(tempfile.mkdtemp(prefix="e-", dir=base))
-        scratch = str(self._own or tmpdir)
         (tmp / f"{name}.json").write_text(json.dumps(spec))
         env = {**engine_env({**os.environ, **(env or {})}), "TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
         with open(self.log, "w") as log:
@@ -311,8 +306,6 @@ class Instance:
         from kvring.local.cluster import stop_process_group
 
         stop_process_group(self.proc, timeout=15)
-        if self._own is not None:
-            shutil.rmtree(self._own, ignore_errors=True)
 
 
 def start_instance(tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,
