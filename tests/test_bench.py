@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -210,13 +211,12 @@ def test_bench_e2e_bare_tls_baseline_streams_every_byte_from_one_server_and_from
     """The bare TLS loop from three servers at once streams each server's share of the chunks,
     and all of them; one from which a server's share never came back is an error, not a figure."""
     credentials = generate(tmp_path / "tls", "bench-e2e")
-    make = lambda: BASELINES["bare_tls"](credentials)  # noqa: E731
     for servers in (1, 3):
-        times = _baseline_times(make, 96 << 10, 7, 6, repeats=2, servers=servers)
+        times = _baseline_times(partial(BASELINES["bare_tls"], credentials), 96 << 10, 7, 6, repeats=2,
+                                servers=servers)
         assert len(times) == 2 and all(t > 0 for t in times)
-    short = lambda: _Short(tls=credentials)  # noqa: E731
     with pytest.raises(BenchError, match="streamed"):
-        _baseline_times(short, 96 << 10, 7, 6, repeats=1, servers=3)
+        _baseline_times(partial(_Short, tls=credentials), 96 << 10, 7, 6, repeats=1, servers=3)
 
 
 class _Short(PlainTcp):

@@ -32,6 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -110,9 +111,9 @@ def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict | 
             chunk_bytes = load["bytes"] // load["chunks"]
             for name, make in BASELINES.items():
                 per_prompt.setdefault(name, []).extend(
-                    _baseline_times(lambda: make(credentials), chunk_bytes, load["chunks"], layers))
+                    _baseline_times(partial(make, credentials), chunk_bytes, load["chunks"], layers))
             per_prompt.setdefault("bare_tls_nodes", []).extend(
-                _baseline_times(lambda: BASELINES["bare_tls"](credentials), chunk_bytes, load["chunks"], layers,
+                _baseline_times(partial(BASELINES["bare_tls"], credentials), chunk_bytes, load["chunks"], layers,
                                 servers=nodes))
 
 
