@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The connector's CUDA path on a GPU machine that has PyTorch but neither vLLM nor a network: the
-# CUDA tests against a real etcd and real node processes, then `kvring bench gpu`.  From the
-# repository root:
+# CUDA tests against a real etcd and real node processes, then `kvring bench gpu`, then `kvring
+# bench reads` (a prompt's load over TLS with a reader thread per node or not, on the machine's
+# many cores).  From the repository root:
 #
 #     bash scripts/gpu-check.sh
 #
 # It needs .whl/ (ignored by git) beside it, for the machine's CPython 3.12 on x86-64: Debian's
 # etcd-server package, and wheels of what the worker side, the tests and `kvring node` import
 # besides torch, numpy, pytest (with pytest-timeout), xxhash, psutil, prometheus-client and
-# matplotlib, which the machine has: pyzmq, msgspec and aetcd, which it lacks, and, in the versions
+# matplotlib, which the machine has: pyzmq, msgspec, aetcd and cryptography (with cffi and pycparser),
+# which it lacks, and, in the versions
 # kvring is tested with here, grpcio and protobuf (aetcd's generated code needs grpcio >= 1.66.2 and
 # protobuf >= 5.27.2) and typer (which needs pydantic) with rich and their own dependencies.
 # Nothing is installed outside a temporary directory, removed at the end.  Results go to $OUT
-# (default out/gpu-check): tests.log, bench.log, gpu.json and gpu.png.  Every step has a time
-# limit; about 3 minutes on an H100 are expected, 9 at most.
+# (default out/gpu-check): tests.log, bench.log, gpu.json, gpu.png, reads.log and reads.json.  Every
+# step has a time limit; about 4 minutes on an H100 are expected, 10 at most.
 #
 # WHL and PYTHON name another wheel folder and interpreter (a rehearsal on another machine);
 # PROFILE=1 also runs the bench under cProfile (profile.txt: where its host time goes).
@@ -105,5 +107,14 @@ pstats.Stats(sys.argv[0] + ".prof").sort_stats("tottime").print_stats(30)
 ' > "$OUT/profile.txt" 2>&1 || echo "gpu-check: the profiled run failed (see profile.txt)"
 fi
 
-echo "== gpu-check: tests exit $tests, bench exit $bench"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "== kvring bench reads"
+timeout -k 10 120 "$PY" -P - "$OUT/reads.json" <<'EOF' 2>&1 | tee "$OUT/reads.log"
+import sys
+from pathlib import Path
+from kvring.bench.reads import ReadsSettings, run_bench_reads
+run_bench_reads(ReadsSettings(tokens=8192, repetitions=15), json_out=Path(sys.argv[1]))
+EOF
+reads=${PIPESTATUS[0]}
+
+echo "== gpu-check: tests exit $tests, bench exit $bench, reads exit $reads"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$reads" -eq 0 ]

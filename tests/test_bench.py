@@ -226,6 +226,31 @@ class _Short(PlainTcp):
         return super().stream(keys, spec)[:-1]
 
 
+def test_bench_reads_loads_every_byte_into_the_cache_on_both_read_paths_and_reports_them(tmp_path):
+    """A real run (3 TLS nodes, the bare TLS loop from 1 and 3 servers): every system's rounds,
+    GB/s, CPU per byte and paired ratios in the JSON and a plot; the cache is checked byte for
+    byte after every kvring round, and a wrong byte there stops the bench."""
+    from kvring.bench.reads import SYSTEMS, ReadsSettings, _PagedCache, run_bench_reads
+
+    s = ReadsSettings(tokens=512, repetitions=2)
+    out = run_bench_reads(s, json_out=tmp_path / "reads.json", plot=tmp_path / "reads.png")
+    assert json.loads((tmp_path / "reads.json").read_text())["gbps"].keys() == set(SYSTEMS)
+    assert all(len(out["gbps"][n]) == 2 and all(g > 0 for g in out["gbps"][n]) for n in SYSTEMS)
+    assert all(len(out["cpu_ns_per_byte"][n]) == 2 for n in SYSTEMS)
+    assert set(out["ratios"]) == {"kvring-1", "kvring-n"} and (tmp_path / "reads.png").stat().st_size > 0
+    assert out["settings"]["bytes"] == 512 * 4 * 256 * 4 * 6  # tokens, heads, channels, float32, layers
+
+    cache = _PagedCache(s)
+    parts = [np.random.default_rng(i).standard_normal((s.layers, s.chunk, s.channels), dtype=np.float32)
+             for i in range(s.chunks * s.heads)]
+    for i, part in enumerate(parts):  # what a load writes: each part's layers at its chunk's blocks and head
+        for layer in range(s.layers):
+            cache.copies.load(cache.heads[layer][i % s.heads], cache.runs[i // s.heads], part[layer].tobytes(), 0)
+    cache.check(parts)  # right: passes, and clears the cache
+    with pytest.raises(BenchError, match="does not hold the stored bytes"):
+        cache.check(parts)
+
+
 def test_bench_tls_ratios_pair_each_round_with_itself():
     """A ratio of medians pairs one system's fast rounds with the other's slow ones (here 1.8 over
     1.0); the ratios of the rounds themselves are 0.9, 1.8, 1.8, 0.9 and 0.9: median 0.9."""

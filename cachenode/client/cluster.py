@@ -31,7 +31,7 @@ from kvring.common.tls import ClusterCredentials
 from kvring.membership.settings import EtcdSettings
 
 from .meter import NO_METER, ReadMeter
-from .reads import Chunk, LayerBatch, Reads
+from .reads import Chunk, LayerBatch, Reads, readers_pay_off
 from .ringview import FailureMarks, Membership
 from .transport import Links, next_rid
 from .writes import Writes
@@ -46,7 +46,10 @@ class ClusterClient:
     cluster's first node to record it (never a default; a contract that later changes in etcd
     turns reads into misses and writes into no-ops).  ``timeout`` bounds how long a node may
     stay silent while a request waits on it; a node that times out is skipped for
-    ``failure_backoff`` seconds.  ``verify`` checks every layer's checksum on read.  Large
+    ``failure_backoff`` seconds.  ``verify`` checks every layer's checksum on read.
+    ``read_threads``: a GET that asks several nodes reads each on a thread of its own (``True``),
+    or all on the caller's thread (``False``); ``None`` picks by the CPUs this process may use
+    (``reads.readers_pay_off``).  Large
     payloads are read into slabs (up to ``buffer_pool_bytes``) that are reused once the caller
     has dropped every view of them, so reads do not pay for fresh memory each time
     (``reserve_buffers`` maps them ahead).  ``tls``: the cluster's credentials
@@ -68,6 +71,7 @@ class ClusterClient:
         buffer_pool_bytes: int = 256 << 20,
         contract_wait: float = 30.0,
         tls: ClusterCredentials | None = None,
+        read_threads: bool | None = None,
     ) -> None:
         self.settings = etcd if isinstance(etcd, EtcdSettings) else EtcdSettings.parse(etcd, cluster=cluster)
         self.timeout = timeout
@@ -78,14 +82,15 @@ class ClusterClient:
         self.membership = Membership(self.settings, contract, resync_interval, handoff_window, self._members_changed,
                                      contract_wait)
         self._lookups = concurrent.futures.ThreadPoolExecutor(lookup_threads, thread_name_prefix="kvring-lookup")
+        cluster_name = self.settings.cluster
+        self.reads = Reads(self.links, self.membership, self.marks, timeout, verify, cluster_name,
+                           readers_pay_off() if read_threads is None else read_threads)
+        self.writes = Writes(self.links, self.membership, self.marks, timeout, cluster_name)
         try:
             self.membership.start(timeout=self.settings.timeout * 4 + 2 + contract_wait)
         except BaseException:
             self.close()
             raise
-        cluster_name = self.settings.cluster
-        self.reads = Reads(self.links, self.membership, self.marks, timeout, verify, cluster_name)
-        self.writes = Writes(self.links, self.membership, self.marks, timeout, cluster_name)
 
     def _members_changed(self, members: dict[str, NodeRecord]) -> None:
         old = self.membership.view.members
@@ -134,6 +139,7 @@ class ClusterClient:
             return
         self._closed = True
         self._lookups.shutdown(wait=False, cancel_futures=True)
+        self.reads.close()
         self.membership.close()
         self.links.close()
 

@@ -62,12 +62,13 @@ class ReadMeter:
             node = self._nodes[node_id] = _NodeRead(self.clock())
         node.requests += 1
 
-    def replied(self, node_id: str, nbytes: int = 0, hits: int = 0, last: bool = True) -> None:
-        """``node_id`` answered (``last``: the last reply of one of its requests)."""
+    def replied(self, node_id: str, nbytes: int = 0, hits: int = 0, last: bool = True, at: float | None = None) -> None:
+        """``node_id`` answered (``last``: the last reply of one of its requests; ``at``: when,
+        on ``clock``, if not now: a reply read on another thread and handed over later)."""
         node = self._nodes.get(node_id)
         if node is None:
             return
-        now = self.clock()
+        now = self.clock() if at is None else at
         if node.first is None:
             node.first = now
         node.nbytes += nbytes
@@ -76,11 +77,11 @@ class ReadMeter:
             node.answered += 1
             node.last = now
 
-    def failed(self, node_id: str) -> None:
+    def failed(self, node_id: str, at: float | None = None) -> None:
         """``node_id`` did not answer (timed out, unreachable, connection broken)."""
         node = self._nodes.get(node_id)
         if node is not None and node.failed_at is None:
-            node.failed_at = self.clock()
+            node.failed_at = self.clock() if at is None else at
 
     def transfers(self, abandoned: bool = False) -> list[Transfer]:
         """One ``Transfer`` per node that finished: answered every request, or failed.  With
@@ -106,10 +107,10 @@ class _NoMeter(ReadMeter):
     def sent(self, node_id: str) -> None:
         pass
 
-    def replied(self, node_id: str, nbytes: int = 0, hits: int = 0, last: bool = True) -> None:
+    def replied(self, node_id: str, nbytes: int = 0, hits: int = 0, last: bool = True, at: float | None = None) -> None:
         pass
 
-    def failed(self, node_id: str) -> None:
+    def failed(self, node_id: str, at: float | None = None) -> None:
         pass
 
 

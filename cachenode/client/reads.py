@@ -1,8 +1,18 @@
 """Reads: LOOKUP, locate, and the GET of whole chunks or streamed layers, with failover.
 
-Threading contract: every function runs on its caller's thread (one ``Exchange`` per round of
-requests) and may be called from many threads at once; shared state is only the ``Links``, the
-``Membership`` view (read once per call) and the ``FailureMarks``.
+Threading contract: every function may be called from many threads at once; shared state is
+only the ``Links``, the ``Membership`` view (read once per call) and the ``FailureMarks``.
+LOOKUPs, and a GET round that asks one node, run on the caller's thread (one ``Exchange``).
+With ``parallel``, a GET round that asks several nodes reads each node's replies on a thread of
+its own (an ``Exchange`` each, from a pool the ``Reads`` keeps): decrypting one node's stream
+(which releases the GIL), checking its checksums and the caller's work on the layers already
+delivered (copying them into a KV cache) then run on several cores at once, where one thread
+does them one after the other.  The caller's thread still makes every decision (routing,
+failover, what is delivered); the readers only move bytes and hash them, and hand each reply
+over through a bounded queue (a caller that falls behind stops the readers, and TCP stops the
+nodes).  A caller that stops iterating stops the readers at their next reply.  The threads cost
+CPU of their own (hand-overs, the GIL passing between them, bytes decrypted on one core and
+copied on another), which pays off only where cores are idle: ``readers_pay_off``.
 
 Routing: each key goes to its first live owner on the ring (``replication`` distinct nodes,
 primary first), one request per node, all nodes in parallel.  A key that owner does not hold
@@ -18,8 +28,12 @@ A caller's ``ReadMeter`` (``meter.py``) records what each node's share of a LOOK
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +49,13 @@ from .ringview import FailureMarks, Membership
 from .transport import Exchange, Failure, Links, Reply, next_rid
 
 logger = logging.getLogger(__name__)
+
+READER_THREADS = 32  # per client: the node readers of concurrent GET rounds
+# Reader threads pay off from this many usable CPUs on.  Measured (``kvring bench reads``): on 2
+# cores shared with the nodes, a load was no faster with them, its CPU per byte a third higher.
+READERS_MIN_CPUS = 4
+_QUEUED_PER_NODE = 4  # replies a node's reader may hold ahead of the caller
+_STOPPED = object()  # a reader's last item: it has nothing more to hand over
 
 
 @dataclass(slots=True)
@@ -77,9 +98,20 @@ class KeyRead:
     tried: set[str] = field(default_factory=set)
 
 
+@dataclass(slots=True)
+class _Arrived:
+    """One event of a GET round's node, as its reader saw it: when (for the ``ReadMeter``), and
+    for a ``GetLayer`` with ``verify``, the XXH3 of each payload's layers (``None``: a payload
+    whose size is not whole layers of its chunk; the caller rejects it)."""
+
+    event: Reply | Failure
+    at: float
+    digests: list[list[int] | None] | None = None
+
+
 class Reads:
     def __init__(self, links: Links, membership: Membership, marks: FailureMarks, timeout: float,
-                 verify: bool, cluster: str) -> None:
+                 verify: bool, cluster: str, parallel: bool = False) -> None:
         self.links = links
         self.membership = membership
         self.marks = marks
@@ -87,6 +119,16 @@ class Reads:
         self.verify = verify
         self.cluster = cluster
         self.corrupt_dropped = 0  # copies that failed their checksum and were deleted
+        self.parallel = parallel  # a GET round of several nodes: a reader thread per node
+        self._readers: ThreadPoolExecutor | None = None
+        self._readers_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Let the node readers' threads go (a round still reading finishes its current reply)."""
+        with self._readers_lock:
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=False, cancel_futures=True)
 
     @property
     def replication(self) -> int:
@@ -246,19 +288,25 @@ class Reads:
                found: list, meter: ReadMeter) -> Iterator[LayerBatch]:
         """One GET per node for its batch; yields the layers that pass their checksums."""
         asked: dict[int, tuple[str, list[KeyRead]]] = {}
-        with Exchange(self.links, self.timeout) as ex:
-            for node_id, keys in batches.items():
-                for batch in _requests_of(keys):
-                    msg = P.Get(rid=next_rid(), epoch=epoch, keys=[r.key for r in batch], layer_start=start,
-                                layer_end=end, stream=stream)
-                    asked[ex.request(node_id, msg, streamed=True)] = (node_id, batch)
-                    meter.sent(node_id)
-                    for r in batch:
-                        r.tried.add(node_id)
-            for event in ex.events():
+        requests: dict[str, list[P.Get]] = defaultdict(list)
+        for node_id, keys in batches.items():
+            for batch in _requests_of(keys):
+                msg = P.Get(rid=next_rid(), epoch=epoch, keys=[r.key for r in batch], layer_start=start,
+                            layer_end=end, stream=stream)
+                asked[msg.rid] = (node_id, batch)
+                requests[node_id].append(msg)
+                meter.sent(node_id)
+                for r in batch:
+                    r.tried.add(node_id)
+        clock = meter.clock  # when each reply arrived, on the meter's clock
+        arrivals = (self._parallel(requests, clock) if self.parallel and len(requests) > 1
+                    else self._serial(requests, clock))
+        try:
+            for arrived in arrivals:
+                event = arrived.event
                 if isinstance(event, Failure):
                     self.marks.failed(event.node_id, event.error)
-                    _failed(meter, event)
+                    _failed(meter, event, arrived.at)
                     if isinstance(event.error, RemoteError) and event.error.code == ErrorCode.BAD_RANGE:
                         raise event.error
                     for rid in event.rids:
@@ -268,11 +316,12 @@ class Reads:
                 node_id, batch = asked[event.rid]
                 msg = event.msg
                 if isinstance(msg, P.GetHead):
-                    meter.replied(node_id, last=not any(m is not None for m in msg.metas))
+                    meter.replied(node_id, last=not any(m is not None for m in msg.metas), at=arrived.at)
                     self._head(batch, msg, start, end, found)
                 elif isinstance(msg, P.GetLayer):
-                    meter.replied(node_id, sum(memoryview(p).nbytes for p in event.payloads), last=msg.last)
-                    good = self._check_layer(node_id, batch, msg, event.payloads, found)
+                    meter.replied(node_id, sum(memoryview(p).nbytes for p in event.payloads), last=msg.last,
+                                  at=arrived.at)
+                    good = self._check_layer(node_id, batch, msg, event.payloads, found, arrived.digests)
                     if good:
                         indices, views = [], []
                         for r, view in good:
@@ -284,6 +333,70 @@ class Reads:
                             r.done = r.meta is not None and r.want == 0
                             if not r.done and r.meta is not None:
                                 self._forget(r, found)
+        finally:
+            arrivals.close()
+
+    def _serial(self, requests: dict[str, list[P.Get]], clock: Callable[[], float]) -> Iterator[_Arrived]:
+        """The round's events, read on the caller's thread."""
+        with Exchange(self.links, self.timeout) as ex:
+            for node_id, msgs in requests.items():
+                for msg in msgs:
+                    ex.request(node_id, msg, streamed=True)
+            for event in ex.events():
+                yield _Arrived(event, clock())
+
+    def _parallel(self, requests: dict[str, list[P.Get]], clock: Callable[[], float]) -> Iterator[_Arrived]:
+        """The round's events, each node's read by a thread of its own (see the module docstring)."""
+        arrivals: queue.Queue = queue.Queue(maxsize=_QUEUED_PER_NODE * len(requests))
+        stop = threading.Event()
+        readers = self._reader_pool()
+        for node_id, msgs in requests.items():
+            readers.submit(self._read_node, node_id, msgs, arrivals, stop, clock)
+        running = len(requests)
+        try:
+            while running:
+                item = arrivals.get()
+                if item is _STOPPED:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            stop.set()
+            while running:  # let readers blocked on a full queue see the stop
+                try:
+                    running -= arrivals.get_nowait() is _STOPPED
+                except queue.Empty:
+                    break
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        with self._readers_lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvring-read")
+            return self._readers
+
+    def _read_node(self, node_id: str, msgs: list[P.Get], arrivals: queue.Queue, stop: threading.Event,
+                   clock: Callable[[], float]) -> None:
+        """A node reader: run ``msgs`` on one node and hand over each event with its checksums."""
+        metas: dict[int, list[ChunkMeta | None]] = {}  # rid -> its head's metadata (to cut payloads into layers)
+        try:
+            with Exchange(self.links, self.timeout) as ex:
+                for msg in msgs:
+                    ex.request(node_id, msg, streamed=True)
+                for event in ex.events():
+                    digests = None
+                    if isinstance(event, Reply):
+                        if isinstance(event.msg, P.GetHead):
+                            metas[event.rid] = event.msg.metas
+                        elif isinstance(event.msg, P.GetLayer) and self.verify:
+                            digests = _digests(event.msg, event.payloads, metas.get(event.rid, []))
+                    if not _hand_over(arrivals, _Arrived(event, clock(), digests), stop):
+                        return
+        except BaseException as exc:  # a bug, not a node's failure (those are events): the caller raises it
+            _hand_over(arrivals, exc, stop)
+        finally:
+            _hand_over(arrivals, _STOPPED, stop)
 
     @staticmethod
     def _forget(r: KeyRead, found: list) -> None:
@@ -308,10 +421,12 @@ class Reads:
                 r.want = (meta.layers if end == -1 else end) - start
 
     def _check_layer(self, node_id: str, batch: list[KeyRead], msg: P.GetLayer, payloads: list,
-                     found: list) -> list[tuple[KeyRead, memoryview]]:
+                     found: list, digests: list[list[int] | None] | None = None) -> list[tuple[KeyRead, memoryview]]:
+        """The payloads of ``msg`` that are whole layers of their keys and match their checksums
+        (``digests``: computed already, by the node's reader)."""
         good = []
         sums = iter(msg.checksums)
-        for pos, payload in zip(msg.which, payloads):
+        for k, (pos, payload) in enumerate(zip(msg.which, payloads)):
             if not 0 <= pos < len(batch):
                 continue
             r = batch[pos]
@@ -320,8 +435,9 @@ class Reads:
             n = r.want if msg.span else 1
             lb = meta.layer_bytes if meta is not None else 0
             expected = [next(sums, None) for _ in range(n)]
-            if meta is None or buf.nbytes != n * lb or (self.verify and any(
-                    xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) != expected[j] for j in range(n))):
+            if meta is None or buf.nbytes != n * lb or (self.verify and (
+                    [xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) for j in range(n)]
+                    if digests is None else digests[k]) != expected):
                 logger.warning("bad or corrupt layer %d of a chunk from %s", msg.layer, node_id)
                 if meta is not None and buf.nbytes == n * lb:  # bytes that fail their checksum
                     self._drop_corrupt(node_id, r.key)
@@ -363,13 +479,48 @@ class Reads:
         return [c if found[i] is not None else None for i, c in enumerate(out)]
 
 
-def _failed(meter: ReadMeter, event: Failure) -> None:
+def readers_pay_off() -> bool:
+    """Whether this process may use enough CPUs for a reader thread per node (``READERS_MIN_CPUS``)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return cpus >= READERS_MIN_CPUS
+
+
+def _failed(meter: ReadMeter, event: Failure, at: float | None = None) -> None:
     """Record a failure in ``meter``: the node's own (it did not answer) or an answer (an error it sent)."""
     for _ in event.rids:
         if isinstance(event.error, RemoteError):
-            meter.replied(event.node_id)
+            meter.replied(event.node_id, at=at)
         else:
-            meter.failed(event.node_id)
+            meter.failed(event.node_id, at=at)
+
+
+def _digests(msg: P.GetLayer, payloads: list, metas: list[ChunkMeta | None]) -> list[list[int] | None]:
+    """The XXH3 of each layer in each payload of ``msg`` (one layer each, or with ``span`` the
+    key's remaining layers); ``None`` for a payload that is not whole layers of its key."""
+    out: list[list[int] | None] = []
+    for pos, payload in zip(msg.which, payloads):
+        meta = metas[pos] if 0 <= pos < len(metas) else None
+        buf = memoryview(payload)
+        lb = meta.layer_bytes if meta is not None else 0
+        if not lb or buf.nbytes % lb or (not msg.span and buf.nbytes != lb):
+            out.append(None)
+            continue
+        out.append([xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) for j in range(buf.nbytes // lb)])
+    return out
+
+
+def _hand_over(arrivals: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put ``item`` on a round's queue, waiting while it is full; ``False``: the round stopped."""
+    while not stop.is_set():
+        try:
+            arrivals.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def _requests_of(items: list) -> list[list]:

@@ -684,6 +684,26 @@ def bench_tls(
     run_bench_tls(TlsSettings(repetitions=repetitions), json_out=json_out, plot=plot)
 
 
+@bench_app.command("reads")
+def bench_reads(
+    tokens: Annotated[int, typer.Option(help="Prompt length (whole 256-token chunks).", min=256)] = 4096,
+    repetitions: Annotated[int, typer.Option(help="Interleaved rounds.", min=1)] = 9,
+    json_out: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """A prompt's load from 3 TLS nodes into a paged host cache, read on the caller's thread and by a reader thread
+    per node, next to the bare TLS loop from 1 and 3 servers, interleaved (no vLLM needed)."""
+    from kvring.bench.reads import ReadsSettings, run_bench_reads
+    from kvring.bench.system import BenchError
+
+    if tokens % 256:
+        raise typer.BadParameter(f"{tokens} is not a whole number of 256-token chunks", param_hint="--tokens")
+    try:
+        run_bench_reads(ReadsSettings(tokens=tokens, repetitions=repetitions), json_out=json_out, plot=plot)
+    except BenchError as exc:
+        raise CommandFailed(f"bench reads stopped: {exc}") from None
+
+
 @bench_app.command("disk")
 def bench_disk(
     parts: Annotated[str, typer.Option(help="What to measure, comma-separated: throughput (tier GB/s vs the "

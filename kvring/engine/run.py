@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -82,6 +83,7 @@ _ACTIONS = {"signal", "post", "reset_cache", "wait_for", "touch"}  # spec steps 
 IN_PROCESS_ENV = "KVRING_ENGINE_IN_PROCESS"  # "1": engines without a spec's "in_process" run in one process
 # vLLM binds its IPC sockets at VLLM_RPC_BASE_PATH/<uuid4>; a Unix socket's path has at most 107 bytes.
 IPC_BASE_MAX = 107 - len("/") - 36
+_OWN_DIR = "/e-12345678"  # an instance's own temporary directory, as ``tempfile.mkdtemp`` names it
 
 
 class EngineSetupError(KVRingError):
@@ -255,10 +257,13 @@ class Instance:
     """A vLLM instance running a spec in a child process of its own session (``start_instance``).
 
     Its output (vLLM's log) goes to ``TMP/NAME.log``.  The child's (and vLLM's) temporary files
-    (IPC sockets, rendezvous files, torch's inductor cache) go under ``tmpdir`` if set, else under
-    this process's temporary directory (``tempfile.gettempdir()``: the run's directory inside
-    ``kvring.local.rundir.run_directory``): ``TMPDIR`` and vLLM's ``VLLM_RPC_BASE_PATH`` point
-    there.  ``env`` adds environment variables (e.g. vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
+    (IPC sockets, rendezvous files, torch's inductor cache) go under ``tmpdir`` if set, else in a
+    directory of the instance's own inside this process's temporary directory
+    (``tempfile.gettempdir()``: the run's directory inside ``kvring.local.rundir.run_directory``),
+    removed by ``stop``, since a vLLM process that is stopped leaves its IPC sockets behind (where
+    that directory's name would make a socket path too long, the temporary directory itself).
+    ``TMPDIR`` and vLLM's ``VLLM_RPC_BASE_PATH`` point there.  ``env`` adds environment variables
+    (e.g. vLLM's ``VLLM_CPU_OMP_THREADS_BIND``).
     """
 
     def __init__(self, tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,
@@ -267,6 +272,10 @@ class Instance:
 
         self.name, self.log, self.out = name, tmp / f"{name}.log", tmp / f"{name}.out"
         scratch = str(tmpdir) if tmpdir else tempfile.gettempdir()
+        self._own: Path | None = None
+        if tmpdir is None and len(scratch.encode()) + len(_OWN_DIR) <= IPC_BASE_MAX:
+            self._own = Path(tempfile.mkdtemp(prefix="e-", dir=scratch))
+            scratch = str(self._own)
         if len(scratch.encode()) > IPC_BASE_MAX:
             raise EngineSetupError(f"vLLM's IPC sockets cannot live under {scratch} ({len(scratch.encode())} bytes; a "
                                    f"socket path holds at most 107): point TMPDIR at a shorter directory, e.g. /tmp")
@@ -306,6 +315,8 @@ class Instance:
         from kvring.local.cluster import stop_process_group
 
         stop_process_group(self.proc, timeout=15)
+        if self._own is not None:
+            shutil.rmtree(self._own, ignore_errors=True)
 
 
 def start_instance(tmp: Path, name: str, spec: dict, tmpdir: Path | None = None,

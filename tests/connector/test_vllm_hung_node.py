@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -39,6 +41,7 @@ def _prompt(layout, client: ClusterClient, rng, victim: str, owned: bool) -> lis
 @pytest.mark.parametrize("mode", ["layerwise", "bulk", "async"])
 def test_a_hung_node_delays_only_the_requests_it_owns(etcd_server, model, mode, tmp_path):
     rng = np.random.default_rng(7)
+    before = set(os.listdir(tempfile.gettempdir()))
     with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster=f"e2e-hung-{mode}") as cluster:
         # Admission off: on this tiny model recomputing can be predicted faster than loading, and
         # this test is about which requests wait, not about that choice.
@@ -61,6 +64,8 @@ def test_a_hung_node_delays_only_the_requests_it_owns(etcd_server, model, mode, 
             {"batch": [{"tokens": hung}, {"tokens": free2}]},  # 5-6: the hung node owns hung's chunks only
             {"signal": [victim.pid, "SIGCONT"]},
         ]})
+    # vLLM's processes, stopped, left their IPC sockets in the instance's own directory, now gone.
+    assert set(os.listdir(tempfile.gettempdir())) - before == set()
     # The prompts were placed by the engine's own keys (its layout as JSON: tuples are lists).
     assert out["layout"] == json.loads(json.dumps(dataclasses.asdict(layout)))
     r = out["results"]
