@@ -393,7 +393,7 @@ class Reads:
                             digests = _digests(event.msg, event.payloads, metas.get(event.rid, []))
                     if not _hand_over(arrivals, _Arrived(event, clock(), digests), stop):
                         return
-        except BaseException as exc:  # a bug, not a node's failure (those are events): the caller raises it
+        except Exception as exc:  # a bug, not a node's failure (those are events): the caller raises it
             _hand_over(arrivals, exc, stop)
         finally:
             _hand_over(arrivals, _STOPPED, stop)

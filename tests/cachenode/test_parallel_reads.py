@@ -15,9 +15,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.client import reads as reads_module
+
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
 
