@@ -158,6 +158,8 @@ class FrameReader:
         # A reader of a trusted peer (a client reading its nodes' replies) takes a large payload's
         # buffer as soon as the bytes before it are parsed and the socket is readable, and reads
         # it straight from the socket from its first byte: none of it passes the receive buffer.
+        # Consecutive large payloads of one message (a streamed layer of many keys) share one
+        # buffer, filled in one pass and cut into the payloads when full.
         self.eager = eager
         # Where a payload read straight from the socket lands (a node reuses evicted buffers).
         self.allocate = allocate or _empty
@@ -177,6 +179,7 @@ class FrameReader:
         self._gather: bytearray | None = None
         self._target: np.ndarray | None = None
         self._filled = 0
+        self._splits: list[int] | None = None  # the payloads a shared target holds, by size
         self.received = 0  # bytes the last ``read`` got (0: nothing was there)
         self._low_water = 1  # the socket's SO_RCVLOWAT as this reader last set it
 
@@ -245,9 +248,18 @@ class FrameReader:
         return self._parse()
 
     def _take_target(self) -> None:
-        """The payload being filled is complete: it becomes the message's next part."""
-        self._parts.append(self._target)
-        self._kept += len(self._target)
+        """The payload being filled is complete: it becomes the message's next part (a shared
+        target: the next parts, one slice each)."""
+        target = self._target
+        if self._splits is None:
+            self._parts.append(target)
+        else:
+            at = 0
+            for size in self._splits:
+                self._parts.append(target[at:at + size])
+                at += size
+            self._splits = None
+        self._kept += len(target)
         self._target, self._filled = None, 0
 
     def _set_low_water(self, sock: socket.socket) -> None:
@@ -274,7 +286,9 @@ class FrameReader:
     def _read_once(self, sock: socket.socket) -> list[Message]:
         target = self._target
         if target is None and self.eager and self._start == self._end and self._next_is_payload():
-            target = self._target = self.allocate(self._sizes[len(self._parts)])
+            run = self._payload_run()
+            target = self._target = self.allocate(sum(run))
+            self._splits = run if len(run) > 1 else None
             self._filled = 0
         try:
             if target is not None:
@@ -305,6 +319,17 @@ class FrameReader:
         socket (a large one, not the header)."""
         sizes = self._sizes
         return sizes is not None and 0 < len(self._parts) < len(sizes) and sizes[len(self._parts)] >= _DIRECT
+
+    def _payload_run(self) -> list[int]:
+        """The sizes of the large payloads from the next segment on, up to the message's end or
+        its next small segment: what an eager reader reads into one buffer."""
+        sizes = self._sizes
+        run = []
+        for size in sizes[len(self._parts):]:
+            if size < _DIRECT:
+                break
+            run.append(size)
+        return run
 
     def _room(self) -> memoryview:
         """The free end of the receive buffer: taken at the first read, doubled after a recv

@@ -14,6 +14,7 @@ import ssl
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from kvring.cachenode import framing
@@ -49,7 +50,7 @@ def _messages(rng: random.Random) -> list[tuple[bytes, list[bytes]]]:
     sizes = [0, 3, 16_000, 65_536, 70_000, 100_000, LOW_WATER - 1, LOW_WATER + (17 << 10), 300_000,
              (1 << 20) + 5, 3 << 20]
     return [(os.urandom(rng.choice([5, 300, 20_000, 70_000])),
-             [os.urandom(rng.choice(sizes)) for _ in range(rng.choice([1, 2, 4]))]) for _ in range(60)]
+             [os.urandom(rng.choice(sizes)) for _ in range(rng.choice([1, 2, 4, 8]))]) for _ in range(60)]
 
 
 class _Sender(threading.Thread):
@@ -87,7 +88,8 @@ def test_large_payloads_read_under_a_low_water_mark_come_out_whole_and_never_sta
     with the rest of a record decrypted inside OpenSSL: the turn must take those bytes too, since
     no poll sees them.  An eager reader (the client's) takes a payload's buffer before its first
     byte is read, at times on a wake-up that brings no whole record: it keeps that buffer and
-    fills it on the next turns."""
+    fills it on the next turns, and reads consecutive large payloads of a message into one
+    buffer, cut into the payloads once full."""
     if budget is not None:
         monkeypatch.setattr(framing, "TLS_READ_BYTES", budget)
     messages = _messages(random.Random(11))
@@ -113,7 +115,13 @@ def test_large_payloads_read_under_a_low_water_mark_come_out_whole_and_never_sta
         thread.join(10)
         assert receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1  # between messages
     assert max(marks) == LOW_WATER  # the mark was used on the large payloads
+    shared = 0  # payloads that came out of a buffer shared with the payload before them
     for (header, payloads), message in zip(messages, got):
         assert bytes(message.header) == header
         assert [bytes(memoryview(p)) for p in message.payloads] == payloads
+        shared += sum(isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.base is not None
+                      and a.base is b.base for a, b in zip(message.payloads, message.payloads[1:]))
     assert reader.held == 0
+    # An eager reader fills consecutive large payloads of a message into one buffer (one pass,
+    # one allocation); the other reader gives each its own.
+    assert (shared > 0) == eager
