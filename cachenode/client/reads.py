@@ -52,8 +52,9 @@ logger = logging.getLogger(__name__)
 
 READER_THREADS = 32  # per client: the node readers of concurrent GET rounds
 # Reader threads pay off from this many usable CPUs on.  Measured (``kvring bench reads``): on 2
-# cores shared with the nodes, a load was no faster with them, its CPU per byte a third higher.
+# cores shared with the nodes, a load was no faster with them, its CPU per byte a quarter higher.
 READERS_MIN_CPUS = 4
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # this process's CPU quota, where cgroup v2 sets one
 _QUEUED_PER_NODE = 4  # replies a node's reader may hold ahead of the caller
 _STOPPED = object()  # a reader's last item: it has nothing more to hand over
 
@@ -480,11 +481,19 @@ class Reads:
 
 
 def readers_pay_off() -> bool:
-    """Whether this process may use enough CPUs for a reader thread per node (``READERS_MIN_CPUS``)."""
+    """Whether this process may use enough CPUs for a reader thread per node (``READERS_MIN_CPUS``):
+    the CPUs it may run on, fewer where its cgroup's CPU quota (a Kubernetes CPU limit) is lower."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = float(len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+        cpus = float(os.cpu_count() or 1)
+    try:
+        with open(CGROUP_CPU_MAX) as f:  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
     return cpus >= READERS_MIN_CPUS
 
 

@@ -175,3 +175,20 @@ def test_a_hung_node_times_out_to_its_replica_while_the_other_readers_deliver(cl
         for _ in range(3):  # node-0 answers again, on fresh connections, with the right bytes
             assert _layers(client, keys) == {at: [b] for at, b in expected.items()}
     assert len({r["node"] for r in readers}) == 3
+
+
+def test_reader_threads_are_picked_by_the_cpus_the_process_may_use(monkeypatch, tmp_path):
+    """On by default from ``READERS_MIN_CPUS`` CPUs: those the process may run on, capped by its
+    cgroup's CPU quota (a Kubernetes CPU limit on a large machine)."""
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(reads_module, "CGROUP_CPU_MAX", str(cpu_max))
+    monkeypatch.setattr(reads_module.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert reads_module.readers_pay_off()  # no cgroup file: the 16 CPUs
+    cpu_max.write_text("max 100000\n")
+    assert reads_module.readers_pay_off()
+    cpu_max.write_text("200000 100000\n")  # a limit of 2 CPUs
+    assert not reads_module.readers_pay_off()
+    cpu_max.write_text("400000 100000\n")
+    assert reads_module.readers_pay_off()
+    monkeypatch.setattr(reads_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert not reads_module.readers_pay_off()
