@@ -37,7 +37,7 @@ def test_the_commands_are_all_there():
     assert {" ".join(p) for p in COMMANDS} == {
         "", "node", "up", "demo", "ring", "trace", "drain", "operator", "admin", "events", "bench", "bench data-plane",
         "bench e2e", "bench miss", "bench slow-node", "bench membership", "bench repair", "bench tls",
-        "bench shapes", "bench gpu", "bench disk"}
+        "bench shapes", "bench gpu", "bench disk", "bench reads"}
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda p: " ".join(p) or "kvring")
