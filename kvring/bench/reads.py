@@ -7,7 +7,7 @@ GPU machine's many cores): one local etcd and 3 nodes requiring the cluster's cr
 float32, as the connector saves them); a client streams every part's layers (``iter_layers``)
 and writes each into a host paged cache (``[blocks, heads, block size, C]`` per layer) through
 the connector's own copies (``HostCopies``), as a load does.  Two clients: one reading every
-node on its own thread (``read_threads=False``) and one with a reader thread per node
+node on the caller's thread (``read_threads=False``) and one with a reader thread per node
 (``True``).  Two baselines (``plain_tcp.py``): the bare TLS loop from one server holding every
 chunk, and from as many servers as the cluster has nodes, each holding every third chunk and
 read by a thread of its own.  Every repetition runs all four, their order rotating; after each
