@@ -394,7 +394,7 @@ class Reads:
                             digests = _digests(event.msg, event.payloads, metas.get(event.rid, []))
                     if not _hand_over(arrivals, _Arrived(event, clock(), digests), stop):
                         return
-        except Exception as exc:  # a bug, not a node's failure (those are events): the caller raises it
+        except Exception as exc:  # noqa: BLE001 (a bug, not a node's failure, which is an event: the caller raises it)
             _hand_over(arrivals, exc, stop)
         finally:
             _hand_over(arrivals, _STOPPED, stop)
@@ -437,8 +437,7 @@ class Reads:
             lb = meta.layer_bytes if meta is not None else 0
             expected = [next(sums, None) for _ in range(n)]
             if meta is None or buf.nbytes != n * lb or (self.verify and (
-                    [xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) for j in range(n)]
-                    if digests is None else digests[k]) != expected):
+                    _layer_digests(buf, lb) if digests is None else digests[k]) != expected):
                 logger.warning("bad or corrupt layer %d of a chunk from %s", msg.layer, node_id)
                 if meta is not None and buf.nbytes == n * lb:  # bytes that fail their checksum
                     self._drop_corrupt(node_id, r.key)
@@ -517,8 +516,13 @@ def _digests(msg: P.GetLayer, payloads: list, metas: list[ChunkMeta | None]) -> 
         if not lb or buf.nbytes % lb or (not msg.span and buf.nbytes != lb):
             out.append(None)
             continue
-        out.append([xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) for j in range(buf.nbytes // lb)])
+        out.append(_layer_digests(buf, lb))
     return out
+
+
+def _layer_digests(buf: memoryview, lb: int) -> list[int]:
+    """The XXH3 of each of the ``lb``-byte layers that make up ``buf``."""
+    return [xxhash.xxh3_64_intdigest(buf[j * lb:(j + 1) * lb]) for j in range(buf.nbytes // lb)]
 
 
 def _hand_over(arrivals: queue.Queue, item, stop: threading.Event) -> bool:

@@ -31,7 +31,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from rich.table import Table
 
 from kvring.bench.dataplane import ChunkSpec, PlainTcp, RawZmq
 from kvring.bench.report import grouped_bars, write_outputs
-from kvring.bench.system import BenchError
+from kvring.bench.system import BenchError, Sharded
 from kvring.common.tls import generate
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
@@ -71,32 +70,18 @@ def _baseline_times(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, chu
     """Seconds for a baseline (raw ZMQ, plain TCP, the bare TLS loop) to stream ``chunks`` chunks of
     ``chunk_bytes``, layer by layer, ``repeats`` times; from ``servers`` servers at once, each
     holding every ``servers``-th chunk (as a cluster's nodes share a prompt's chunks) and read by
-    a thread of its own."""
+    a thread of its own (``Sharded``)."""
     spec = ChunkSpec("e2e", "bench", (layers, chunk_bytes // layers // 2))
-    systems: list[RawZmq | PlainTcp] = []
-    try:
-        shares = []
-        for s in range(servers):
-            systems.append(make())
-            keys = [f"e2e-{i}".encode() for i in range(s, chunks, servers)]
-            payloads = [np.random.default_rng(i).integers(0, 255, size=chunk_bytes, dtype=np.uint8)
-                        for i in range(s, chunks, servers)]
-            systems[-1].attach(spec, payloads)
-            systems[-1].put(keys, payloads, spec)
-            shares.append(keys)
-        times = []
-        with ThreadPoolExecutor(servers) as pool:
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                streamed = list(pool.map(lambda system, keys: system.stream(keys, spec), systems, shares))
-                times.append(time.perf_counter() - t0)
-                got = sum(memoryview(v).nbytes for layers_ in streamed for layer in layers_ for v in layer)
-                if got != chunk_bytes * chunks:
-                    raise BenchError(f"a baseline streamed {got} bytes of {chunk_bytes * chunks}")
-        return times
-    finally:
-        for system in systems:
-            system.close()
+    payloads = [np.random.default_rng(i).integers(0, 255, size=chunk_bytes, dtype=np.uint8) for i in range(chunks)]
+    times = []
+    with Sharded(make, servers, spec, payloads, b"e2e-") as sharded:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            got = sharded.stream()
+            times.append(time.perf_counter() - t0)
+            if got != chunk_bytes * chunks:
+                raise BenchError(f"a baseline streamed {got} bytes of {chunk_bytes * chunks}")
+    return times
 
 
 def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict | None], layers: int,

@@ -24,8 +24,8 @@ import contextlib
 import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +35,8 @@ from rich.table import Table
 
 from kvring.bench.plain_tcp import PlainTcp
 from kvring.bench.report import grouped_bars, machine, write_outputs
-from kvring.bench.system import BenchError, ChunkSpec
-from kvring.bench.tls import paired_ratio
+from kvring.bench.system import BenchError, ChunkSpec, Sharded
+from kvring.bench.tls import paired_ratio, ratio_text, spread_text
 from kvring.common.chunk import ChunkItem
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
@@ -60,10 +60,6 @@ class ReadsSettings:
     @property
     def chunks(self) -> int:
         return self.tokens // self.chunk
-
-    @property
-    def part_bytes(self) -> int:
-        return self.layers * self.chunk * self.channels * 4
 
 
 class _PagedCache:
@@ -102,36 +98,6 @@ class _PagedCache:
             kv.zero_()
 
 
-class _BareServers:
-    """The bare TLS loop from ``servers`` servers, each holding every ``servers``-th chunk (a chunk
-    here: all of its parts, as one value) and read by a thread of its own."""
-
-    def __init__(self, servers: int, credentials, s: ReadsSettings, payloads: list[np.ndarray]) -> None:
-        self.spec = ChunkSpec("reads", "bench", (s.layers, s.heads * s.chunk * s.channels * 4 // 2))
-        self.systems: list[PlainTcp] = []
-        self.shares: list[list[bytes]] = []
-        self.nbytes = sum(p.nbytes for p in payloads)
-        for k in range(servers):
-            system = PlainTcp(tls=credentials)
-            self.systems.append(system)
-            keys = [b"reads-%d" % i for i in range(k, len(payloads), servers)]
-            values = [payloads[i] for i in range(k, len(payloads), servers)]
-            system.attach(self.spec, values)
-            if not system.put(keys, values, self.spec):
-                raise BenchError(f"{system.label}: PUT failed")
-            self.shares.append(keys)
-        self.pool = ThreadPoolExecutor(servers)
-
-    def load(self) -> int:
-        streamed = list(self.pool.map(lambda system, keys: system.stream(keys, self.spec), self.systems, self.shares))
-        return sum(memoryview(v).nbytes for layers in streamed for layer in layers for v in layer)
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        for system in self.systems:
-            system.close()
-
-
 def _cpu() -> float:
     t = os.times()
     return t.user + t.system
@@ -165,9 +131,10 @@ def run_bench_reads(s: ReadsSettings, json_out: Path | None = None, plot: Path |
             raise BenchError("the cluster did not store every part")
         cache = _PagedCache(s)
         with contextlib.ExitStack() as stack:
-            bare = {"bare-1": _BareServers(1, cluster.tls, s, chunks), "bare-n": _BareServers(NODES, cluster.tls, s, chunks)}
-            for servers in bare.values():
-                stack.callback(servers.close)
+            make = partial(PlainTcp, tls=cluster.tls)
+            spec = ChunkSpec("reads", "bench", (s.layers, s.heads * s.chunk * s.channels * 4 // 2))
+            bare = {name: stack.enter_context(Sharded(make, servers, spec, chunks, b"reads-"))
+                    for name, servers in (("bare-1", 1), ("bare-n", NODES))}
             clients = {"kvring-1": one, "kvring-n": each}
             for client in clients.values():  # a first load: connections, buffers, reader threads
                 cache.load(client, keys)
@@ -176,7 +143,7 @@ def run_bench_reads(s: ReadsSettings, json_out: Path | None = None, plot: Path |
             for rep in range(s.repetitions):
                 for name in SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[:rep % len(SYSTEMS)]:
                     c0, t0 = _cpu(), time.perf_counter()
-                    moved = cache.load(clients[name], keys) if name in clients else bare[name].load()
+                    moved = cache.load(clients[name], keys) if name in clients else bare[name].stream()
                     seconds[name].append(time.perf_counter() - t0)
                     cpu[name].append(_cpu() - c0)
                     if moved != nbytes:
@@ -199,8 +166,8 @@ def run_bench_reads(s: ReadsSettings, json_out: Path | None = None, plot: Path |
         table.add_column(col, justify="right")
     for name in SYSTEMS:
         ratio = results["ratios"].get(name)
-        table.add_row(LABELS[name], _spread(gbps[name]), f"{statistics.median(results['cpu_ns_per_byte'][name]):.2f}",
-                      *((_ratio(ratio[b]) for b in ("bare-1", "bare-n")) if ratio else ("", "")))
+        table.add_row(LABELS[name], spread_text(gbps[name]), f"{statistics.median(results['cpu_ns_per_byte'][name]):.2f}",
+                      *((ratio_text(ratio[b]) for b in ("bare-1", "bare-n")) if ratio else ("", "")))
     console.print(table)
 
     def draw(res: dict, path: Path) -> None:
@@ -209,11 +176,3 @@ def run_bench_reads(s: ReadsSettings, json_out: Path | None = None, plot: Path |
                            f"{res['settings']['cpus']} CPUs")
     write_outputs(console, results, json_out, plot, draw)
     return results
-
-
-def _spread(v: list[float]) -> str:
-    return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
-
-
-def _ratio(r: dict[str, float]) -> str:
-    return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"

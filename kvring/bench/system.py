@@ -16,7 +16,8 @@ import socket
 import subprocess
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,49 @@ class System(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop whatever this system started (servers, clients, temporary files)."""
+
+
+class Sharded:
+    """One baseline from ``servers`` servers at once (``make`` starts each): each holds every
+    ``servers``-th of ``payloads`` (as a cluster's nodes share a prompt's chunks, keys
+    ``prefix`` + their index) and is read by a thread of its own."""
+
+    def __init__(self, make: Callable[[], System], servers: int, spec: ChunkSpec, payloads: Sequence[Buffer],
+                 prefix: bytes) -> None:
+        self.spec = spec
+        self.systems: list[System] = []
+        self.shares: list[list[bytes]] = []
+        try:
+            for k in range(servers):
+                system = make()
+                self.systems.append(system)
+                keys = [prefix + b"%d" % i for i in range(k, len(payloads), servers)]
+                values = [payloads[i] for i in range(k, len(payloads), servers)]
+                system.attach(spec, values)
+                if not system.put(keys, values, spec):
+                    raise BenchError(f"{system.label}: PUT failed")
+                self.shares.append(keys)
+        except BaseException:
+            self.close()
+            raise
+        self._pool = ThreadPoolExecutor(servers)
+
+    def stream(self) -> int:
+        """Stream every server's share, layer by layer, all at once; the bytes that came back."""
+        streamed = list(self._pool.map(lambda system, keys: system.stream(keys, self.spec), self.systems, self.shares))
+        return sum(memoryview(v).nbytes for layers in streamed for layer in layers for v in layer if v is not None)
+
+    def close(self) -> None:
+        if hasattr(self, "_pool"):
+            self._pool.shutdown()
+        for system in self.systems:
+            system.close()
+
+    def __enter__(self) -> Sharded:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def terminate(proc: subprocess.Popen) -> None:

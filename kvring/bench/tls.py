@@ -97,7 +97,13 @@ def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(r), 3), "min": round(min(r), 3), "max": round(max(r), 3)}
 
 
-def _spread(r: dict[str, float]) -> str:
+def spread_text(v: list[float]) -> str:
+    """Measurements as a table shows them: the median, then the range."""
+    return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+
+
+def ratio_text(r: dict[str, float]) -> str:
+    """A ``paired_ratio`` as a table shows it: the median, then the range."""
     return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
 
 
@@ -159,9 +165,8 @@ def run_bench_tls(settings: TlsSettings, json_out: Path | None = None, plot: Pat
         table.add_column(col, justify="right")
     for size, ops in gbps.items():
         for op, by in ops.items():
-            med = {sys: statistics.median(v) for sys, v in by.items()}
-            table.add_row(size, op, *(f"{med[sys]:.2f} ({min(by[sys]):.2f}-{max(by[sys]):.2f})" for sys in SYSTEMS),
-                          *(_spread(ratios[size][op][name]) for name in ("tls / bare-tls", "tls / plain")))
+            table.add_row(size, op, *(spread_text(by[sys]) for sys in SYSTEMS),
+                          *(ratio_text(ratios[size][op][name]) for name in ("tls / bare-tls", "tls / plain")))
     console.print(table)
 
     def draw(res: dict, path: Path) -> None:
