@@ -321,14 +321,16 @@ class FrameReader:
         return sizes is not None and 0 < len(self._parts) < len(sizes) and sizes[len(self._parts)] >= _DIRECT
 
     def _payload_run(self) -> list[int]:
-        """The sizes of the large payloads from the next segment on, up to the message's end or
-        its next small segment: what an eager reader reads into one buffer."""
+        """The sizes of the large payloads from the next segment on, up to the message's end, its
+        next small segment or ``max_payload`` bytes in all (what one payload may make this reader
+        allocate before its bytes arrive): what an eager reader reads into one buffer."""
         sizes = self._sizes
-        run = []
+        run, total = [], 0
         for size in sizes[len(self._parts):]:
-            if size < _DIRECT:
+            if size < _DIRECT or (run and total + size > self.limits.max_payload):
                 break
             run.append(size)
+            total += size
         return run
 
     def _room(self) -> memoryview:

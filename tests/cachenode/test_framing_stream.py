@@ -101,7 +101,8 @@ def test_large_payloads_read_under_a_low_water_mark_come_out_whole_and_never_sta
         receiver.setblocking(False)
         poller = select.poll()
         poller.register(receiver.fileno(), select.POLLIN)
-        reader = FrameReader(LIMITS, eager=eager)
+        allocated: list[int] = []
+        reader = FrameReader(LIMITS, eager=eager, allocate=lambda n: allocated.append(n) or np.empty(n, np.uint8))
         got, marks = [], set()
         while len(got) < len(messages):
             assert thread.stuck is None, f"message {thread.stuck} arrived but was never read out"
@@ -125,3 +126,32 @@ def test_large_payloads_read_under_a_low_water_mark_come_out_whole_and_never_sta
     # An eager reader fills consecutive large payloads of a message into one buffer (one pass,
     # one allocation); the other reader gives each its own.
     assert (shared > 0) == eager
+    # ... but never more than one payload may declare in all: a longer run is cut into several.
+    assert any(sum(n for n in p_sizes if n >= 64 << 10) > LIMITS.max_payload
+               for p_sizes in ([len(p) for p in payloads] for _, payloads in messages))
+    assert max(allocated) <= LIMITS.max_payload
+
+
+def test_an_eager_reader_shares_a_buffer_among_payloads_up_to_what_one_payload_may_declare():
+    """A message of four 3 MiB payloads whose header is read first: the eager reader fills them
+    two at a time (6 MiB, within ``max_payload`` of 8 MiB), never all 12 MiB at once, and every
+    byte comes out."""
+    payloads = [os.urandom(3 << 20) for _ in range(4)]
+    frame = b"".join(bytes(memoryview(x)) for x in pack(b"head", payloads))
+    first = len(frame) - sum(map(len, payloads))  # the prefix, the sizes and the header
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        receiver.setblocking(False)
+        allocated: list[int] = []
+        reader = FrameReader(LIMITS, eager=True, allocate=lambda n: allocated.append(n) or np.empty(n, np.uint8))
+        sender.sendall(frame[:first])
+        assert reader.read(receiver) == []  # the header parsed; no payload byte here yet
+        thread = threading.Thread(target=sender.sendall, args=(frame[first:],))
+        thread.start()
+        got = []
+        while not got:
+            select.select([receiver], [], [], 5)
+            got = reader.read(receiver)
+        thread.join(10)
+    assert allocated == [6 << 20, 6 << 20]
+    assert [bytes(memoryview(p)) for p in got[0].payloads] == payloads
