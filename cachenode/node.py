@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -315,21 +316,29 @@ class CacheNode:
                 "read_timeouts": self.holdings.read_timeouts}
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write: ``print`` writes the text and its newline separately, so
+    a log record another thread writes to the same pipe (stderr and stdout are one pipe under a
+    launcher) could land in between and end up inside the READY line a launcher parses."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def run_node(config: NodeConfig) -> int:
     """Run a node until SIGTERM/SIGINT; prints one READY line with its addresses for launchers."""
     try:
         node = CacheNode(config)
     except (CredentialsError, DiskError) as exc:
-        print(f"error: {exc}", flush=True)
+        say(f"error: {exc}")
         return 2
     try:
         node.start_background()
     except (ContractMismatch, NodeIdTaken) as exc:
         logger.error("%s", exc)
-        print(f"error: {exc}", flush=True)
+        say(f"error: {exc}")
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: node.stop())
-    print(f"READY node={config.node_id} data={node.record.data_addr} admin={node.record.admin_addr}", flush=True)
+    say(f"READY node={config.node_id} data={node.record.data_addr} admin={node.record.admin_addr}")
     node.serve_forever()
     return 2 if node.fatal else 0

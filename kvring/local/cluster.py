@@ -153,6 +153,15 @@ class NodeProcess:
         return self
 
     def wait_ready(self, timeout: float = 20.0) -> None:
+        """Wait for the node's READY line; a node that exits, does not get ready in time or says
+        something else is killed before the error is raised, so that no caller leaks it."""
+        try:
+            self._read_ready(timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _read_ready(self, timeout: float) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         lines = []
@@ -160,12 +169,13 @@ class NodeProcess:
             line = self.proc.stdout.readline()
             if not line:
                 code = self.proc.wait()
-                self._release()
                 raise RuntimeError(f"node {self.node_id} exited (code {code}):\n" + "".join(lines))
             lines.append(line)
             self.output_bytes += len(line.encode())
             if line.startswith("READY "):
-                fields = dict(part.split("=", 1) for part in line.split()[1:])
+                fields = dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
+                if "data" not in fields or "admin" not in fields:
+                    raise RuntimeError(f"node {self.node_id} said READY without its addresses: {line.strip()}")
                 self.data_addr, self.admin_addr = fields["data"], fields["admin"]
                 # Keep draining output so the child never blocks on a full pipe.
                 self._drainer = threading.Thread(target=self._drain, daemon=True)
