@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -162,26 +163,42 @@ class NodeProcess:
             raise
 
     def _read_ready(self, timeout: float) -> None:
+        """Read the node's output up to its READY line, never past ``timeout``: the pipe is read
+        raw behind a poll, so that a node that hangs before its first line cannot hang us."""
         assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
-        lines = []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
+        lines: list[str] = []
+        pending = b""
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([fd], [], [], left)[0]:
+                break
+            data = os.read(fd, 65536)
+            if not data:
                 code = self.proc.wait()
-                raise RuntimeError(f"node {self.node_id} exited (code {code}):\n" + "".join(lines))
-            lines.append(line)
-            self.output_bytes += len(line.encode())
-            if line.startswith("READY "):
-                fields = dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
-                if "data" not in fields or "admin" not in fields:
-                    raise RuntimeError(f"node {self.node_id} said READY without its addresses: {line.strip()}")
-                self.data_addr, self.admin_addr = fields["data"], fields["admin"]
-                # Keep draining output so the child never blocks on a full pipe.
-                self._drainer = threading.Thread(target=self._drain, daemon=True)
-                self._drainer.start()
-                return
+                raise RuntimeError(f"node {self.node_id} exited (code {code}):\n" + "".join(lines)
+                                   + pending.decode(errors="replace"))
+            self.output_bytes += len(data)
+            *complete, pending = (pending + data).split(b"\n")
+            for i, raw in enumerate(complete):
+                line = raw.decode(errors="replace")
+                lines.append(line + "\n")
+                if line.startswith("READY "):
+                    self._ready(line, after=[b.decode(errors="replace") for b in [*complete[i + 1:], pending] if b])
+                    return
         raise TimeoutError(f"node {self.node_id} not ready within {timeout}s:\n" + "".join(lines))
+
+    def _ready(self, line: str, after: list[str]) -> None:
+        """Take the addresses off the READY line; log the lines read after it, and keep draining
+        the output so the child never blocks on a full pipe."""
+        fields = dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
+        if "data" not in fields or "admin" not in fields:
+            raise RuntimeError(f"node {self.node_id} said READY without its addresses: {line}")
+        self.data_addr, self.admin_addr = fields["data"], fields["admin"]
+        for rest in after:
+            logger.debug("[%s] %s", self.node_id, rest)
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
 
     def _drain(self) -> None:
         for line in self.proc.stdout:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import sys
 import threading
+import time
 
 import pytest
 
@@ -55,3 +56,21 @@ def test_a_launcher_that_cannot_read_ready_kills_the_node_instead_of_leaking_it(
     with pytest.raises(RuntimeError, match="said READY without its addresses: READY node=x oops"):
         node.start(timeout=20)
     assert node.proc is not None and node.proc.poll() is not None  # exited, and reaped
+
+
+class _Silent(NodeProcess):
+    """A stand-in process that hangs before its first line (a node stuck at start)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def test_a_node_silent_past_its_timeout_is_a_timeout_and_is_killed():
+    """The launcher reads the pipe behind a poll: a node that prints nothing does not hang the
+    caller past ``timeout`` (a blocking ``readline`` did), and it is killed."""
+    node = _Silent("node-s", 1 << 20, "127.0.0.1:1")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="node-s not ready within 1.5s"):
+        node.start(timeout=1.5)
+    assert 1.5 <= time.monotonic() - t0 < 10
+    assert node.proc is not None and node.proc.poll() is not None
