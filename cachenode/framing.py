@@ -42,6 +42,8 @@ import numpy as np
 
 from kvring.common.errors import ErrorCode, KVRingError
 
+from .landing import Landing, Sink
+
 MAGIC = b"KVR1"
 PREFIX = struct.Struct("<4sIHI")
 RECV_BUFFER = 256 << 10  # the most a receive buffer grows to: many small messages per recv
@@ -182,12 +184,17 @@ class FrameReader:
         self._splits: list[int] | None = None  # the payloads a shared target holds, by size
         self.received = 0  # bytes the last ``read`` got (0: nothing was there)
         self._low_water = 1  # the socket's SO_RCVLOWAT as this reader last set it
+        # (Eager readers) asked, as each large payload begins, for a place of its own:
+        # ``land(header, payload index, size)`` -> a ``Landing`` or None (``landing.py``).
+        self.land: Callable[[bytearray, int, int], Landing | None] | None = None
+        self._sink: Sink | None = None  # the payload being received into its landing
 
     @property
     def held(self) -> int:
         """Bytes received of messages not complete yet (buffered, gathered or in their payloads)."""
         gathered = len(self._gather) if self._gather is not None else 0
-        return self._end - self._start + self._kept + gathered + self._filled
+        landed = self._sink.filled if self._sink is not None else 0
+        return self._end - self._start + self._kept + gathered + self._filled + landed
 
     def trim(self) -> None:
         """Let the receive buffer go if it holds nothing (an idle connection); the next read
@@ -212,6 +219,8 @@ class FrameReader:
             while self.received and (sock.pending() or got < TLS_READ_BYTES):
                 if self._target is not None:
                     messages += self._fill_target_tls(sock, TLS_READ_BYTES - got)
+                elif self._sink is not None:
+                    messages += self._fill_sink_tls(sock, TLS_READ_BYTES - got)
                 else:
                     messages += self._read_once(sock)
                 got += self.received
@@ -247,6 +256,42 @@ class FrameReader:
         self._take_target()
         return self._parse()
 
+    def _fill_sink_tls(self, sock: ssl.SSLSocket, budget: int) -> list[Message]:
+        """``_fill_target_tls`` for a payload received into its landing."""
+        sink = self._sink
+        read = sock.read
+        got = 0
+        try:
+            while not sink.done and (got < budget or sock.pending()):
+                n = sink.receive(lambda view: read(view.nbytes, view))
+                if not n:
+                    raise ConnectionClosed("connection closed by the peer")
+                got += n
+        except WOULD_BLOCK:
+            pass
+        except OSError as exc:
+            raise ConnectionClosed(f"connection broken: {exc}") from None
+        finally:
+            self.received = got
+        if not sink.done:
+            return []
+        self._take_sink()
+        return self._parse()
+
+    def _take_sink(self) -> None:
+        """The payload being received into its landing is complete: a ``Landed`` part."""
+        sink, self._sink = self._sink, None
+        self._parts.append(sink.landed())
+        self._kept += sink.size
+
+    def _landing(self) -> Sink | None:
+        """The next payload's landing, if the ``land`` callback gives it one."""
+        if self.land is None:
+            return None
+        index = len(self._parts)
+        landing = self.land(self._parts[0], index - 1, self._sizes[index])
+        return Sink(landing, self._sizes[index]) if landing is not None else None
+
     def _take_target(self) -> None:
         """The payload being filled is complete: it becomes the message's next part (a shared
         target: the next parts, one slice each)."""
@@ -270,8 +315,8 @@ class FrameReader:
         payload still lacks (less one TLS record, which OpenSSL may already hold), so the bytes
         the sender owes always reach it; near the payload's end, and between payloads, it is 1."""
         want = 1
-        if self._target is not None:
-            left = len(self._target) - self._filled
+        if self._target is not None or self._sink is not None:
+            left = (len(self._target) - self._filled) if self._target is not None else self._sink.size - self._sink.filled
             if isinstance(sock, ssl.SSLSocket):
                 left -= _TLS_RECORD
             if left >= _LOW_WATER_STEP:
@@ -285,6 +330,11 @@ class FrameReader:
 
     def _read_once(self, sock: socket.socket) -> list[Message]:
         target = self._target
+        if (target is None and self._sink is None and self.eager and self._start == self._end
+                and self._next_is_payload()):
+            self._sink = self._landing()
+        if self._sink is not None:
+            return self._receive_sink(sock)
         if target is None and self.eager and self._start == self._end and self._next_is_payload():
             run = self._payload_run()
             target = self._target = self.allocate(sum(run))
@@ -314,6 +364,22 @@ class FrameReader:
             self._end += n
         return self._parse()
 
+    def _receive_sink(self, sock: socket.socket) -> list[Message]:
+        try:
+            n = self._sink.receive(sock.recv_into)
+        except WOULD_BLOCK:
+            self.received = 0
+            return []
+        except OSError as exc:
+            raise ConnectionClosed(f"connection broken: {exc}") from None
+        self.received = n
+        if n == 0:
+            raise ConnectionClosed("connection closed by the peer")
+        if not self._sink.done:
+            return []
+        self._take_sink()
+        return self._parse()
+
     def _next_is_payload(self) -> bool:
         """Whether the next segment of the message under way is a payload read straight from the
         socket (a large one, not the header)."""
@@ -325,6 +391,8 @@ class FrameReader:
         next small segment or ``max_payload`` bytes in all (what one payload may make this reader
         allocate before its bytes arrive): what an eager reader reads into one buffer."""
         sizes = self._sizes
+        if self.land is not None:  # each payload may have a landing of its own: asked one at a time
+            return [sizes[len(self._parts)]]
         run, total = [], 0
         for size in sizes[len(self._parts):]:
             if size < _DIRECT or (run and total + size > self.limits.max_payload):
@@ -396,6 +464,16 @@ class FrameReader:
             else:  # a large payload: a buffer of its own once its first byte is here
                 if not have:
                     return False
+                sink = self._landing()
+                if sink is not None:  # or its landing
+                    self._sink = sink
+                    n = min(have, size)
+                    sink.write(view[self._start:self._start + n])
+                    self._start += n
+                    if not sink.done:  # the rest straight from the socket
+                        return False
+                    self._take_sink()
+                    continue
                 part = self.allocate(size)  # not zero-filled: every byte is read into it
                 n = min(have, size)
                 part[:n] = view[self._start:self._start + n]

@@ -31,7 +31,7 @@ from kvring.common.tls import ClusterCredentials
 from kvring.membership.settings import EtcdSettings
 
 from .meter import NO_METER, ReadMeter
-from .reads import Chunk, LayerBatch, Reads, readers_pay_off
+from .reads import Chunk, LayerBatch, Place, Reads, readers_pay_off
 from .ringview import FailureMarks, Membership
 from .transport import Links, next_rid
 from .writes import Writes
@@ -187,7 +187,8 @@ class ClusterClient:
         return self.reads.get(list(keys), layers, node)
 
     def iter_layers(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
-                    found: list | None = None, meter: ReadMeter = NO_METER) -> Iterator[LayerBatch]:
+                    found: list | None = None, meter: ReadMeter = NO_METER, place: Place | None = None
+                    ) -> Iterator[LayerBatch]:
         """Stream layers as they arrive: one ``LayerBatch`` per node and layer.
 
         ``found`` (a list as long as ``keys``), if given, receives each key's ``ChunkMeta`` as
@@ -197,8 +198,14 @@ class ClusterClient:
         failover a key's layers may be delivered again from another replica (same bytes), so
         consumers must treat deliveries as idempotent writes.  The views stay valid after the
         next batch arrives (each is a buffer of its own).  ``meter`` records what each node's
-        share cost (``meter.py``)."""
-        yield from self.reads.stream(list(keys), layers, found, stream=True, meter=meter)
+        share cost (``meter.py``).
+
+        ``place(position, layer, size)``, if given, may give a key's layer a place of its own (a
+        ``Landing``: views into a KV cache's blocks): its bytes are then received straight into
+        it and checked there, and the batch holds a ``Landed`` for it instead of a view.  A
+        layer that fails its checksum has been written all the same: it is not delivered, and
+        the caller must treat its place as not loaded unless a replica's delivery follows."""
+        yield from self.reads.stream(list(keys), layers, found, stream=True, meter=meter, place=place)
 
     # ---- writes ---------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -44,6 +45,7 @@ from kvring.common.chunk import ChunkMeta
 from kvring.common.errors import ErrorCode, KVRingError, NoOwners, RemoteError
 from kvring.common.ring import HashRing
 
+from ..landing import Landed, Landing
 from .meter import NO_METER, ReadMeter
 from .ringview import FailureMarks, Membership
 from .transport import Exchange, Failure, Links, Reply, next_rid
@@ -57,6 +59,9 @@ READERS_MIN_CPUS = 4
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # this process's CPU quota, where cgroup v2 sets one
 _QUEUED_PER_NODE = 4  # replies a node's reader may hold ahead of the caller
 _STOPPED = object()  # a reader's last item: it has nothing more to hand over
+# Where a streamed layer of a key goes instead of a buffer: ``place(position in the caller's key
+# list, layer, size)`` -> a ``Landing`` (``landing.py``), or None for a buffer as usual.
+Place = Callable[[int, int, int], "Landing | None"]
 
 
 @dataclass(slots=True)
@@ -81,7 +86,9 @@ class LayerBatch:
 
     layer: int
     indices: list[int]  # positions in the caller's key list
-    views: list[memoryview]  # that layer's bytes of each key, zero-copy from the socket
+    # That layer's bytes of each key, zero-copy from the socket; a ``Landed`` where the caller's
+    # ``place`` gave the layer a place of its own: its bytes are there already, checked.
+    views: list[memoryview | Landed]
     span: bool = False  # (``get`` only) each view holds layers [layer, end) of its key
 
 
@@ -242,7 +249,8 @@ class Reads:
     # ---- GET ----------------------------------------------------------------------------------
 
     def stream(self, keys: list[bytes], layers: tuple[int, int] | None, found: list | None, stream: bool,
-               pin: str | None = None, meter: ReadMeter = NO_METER) -> Iterator[LayerBatch]:
+               pin: str | None = None, meter: ReadMeter = NO_METER, place: Place | None = None
+               ) -> Iterator[LayerBatch]:
         """Layers of ``keys`` as they arrive (see ``ClusterClient.iter_layers``)."""
         start, end = layers if layers is not None else (0, -1)
         if start < 0 or (end != -1 and end <= start):
@@ -268,7 +276,7 @@ class Reads:
             else:
                 groups = self.route(ring, [r.key for r in todo], [r.tried for r in todo])
             batches = {node_id: [todo[j] for j in local] for node_id, local in groups.items()}
-            yield from self._round(batches, ring.epoch, start, end, stream, found, meter)
+            yield from self._round(batches, ring.epoch, start, end, stream, found, meter, place)
             # Failed keys, and missing ones that an owner not asked yet may hold, go round again.
             todo = [r for r in reads.values() if not r.done and (not r.missing or set(ring.owners(r.key)) - r.tried)
                     ] if pin is None else []
@@ -286,7 +294,7 @@ class Reads:
                     found[i] = None
 
     def _round(self, batches: dict[str, list[KeyRead]], epoch: int, start: int, end: int, stream: bool,
-               found: list, meter: ReadMeter) -> Iterator[LayerBatch]:
+               found: list, meter: ReadMeter, place: Place | None = None) -> Iterator[LayerBatch]:
         """One GET per node for its batch; yields the layers that pass their checksums."""
         asked: dict[int, tuple[str, list[KeyRead]]] = {}
         requests: dict[str, list[P.Get]] = defaultdict(list)
@@ -300,8 +308,9 @@ class Reads:
                 for r in batch:
                     r.tried.add(node_id)
         clock = meter.clock  # when each reply arrived, on the meter's clock
-        arrivals = (self._parallel(requests, clock) if self.parallel and len(requests) > 1
-                    else self._serial(requests, clock))
+        land = self._lander(asked, place) if place is not None and stream else None
+        arrivals = (self._parallel(requests, clock, land) if self.parallel and len(requests) > 1
+                    else self._serial(requests, clock, land))
         try:
             for arrived in arrivals:
                 event = arrived.event
@@ -320,8 +329,7 @@ class Reads:
                     meter.replied(node_id, last=not any(m is not None for m in msg.metas), at=arrived.at)
                     self._head(batch, msg, start, end, found)
                 elif isinstance(msg, P.GetLayer):
-                    meter.replied(node_id, sum(memoryview(p).nbytes for p in event.payloads), last=msg.last,
-                                  at=arrived.at)
+                    meter.replied(node_id, sum(map(_nbytes, event.payloads)), last=msg.last, at=arrived.at)
                     good = self._check_layer(node_id, batch, msg, event.payloads, found, arrived.digests)
                     if good:
                         indices, views = [], []
@@ -337,22 +345,50 @@ class Reads:
         finally:
             arrivals.close()
 
-    def _serial(self, requests: dict[str, list[P.Get]], clock: Callable[[], float]) -> Iterator[_Arrived]:
+    def _lander(self, asked: dict[int, tuple[str, list[KeyRead]]], place: Place) -> Callable:
+        """The readers' ``land`` callback for a round: a streamed layer's payload of a key the
+        caller listed once goes where ``place(position, layer, size)`` says, if anywhere, with a
+        hasher for its checksum."""
+        last: list = [None, None]  # the header decoded last (a message's payloads share it)
+
+        def land(header: bytearray, index: int, size: int) -> Landing | None:
+            if header is not last[0]:
+                try:
+                    last[:] = [header, P.decode_reply(header)]
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    last[:] = [header, None]  # the transport rejects it once it is whole
+            msg = last[1]
+            if not isinstance(msg, P.GetLayer) or msg.span or not 0 <= index < len(msg.which):
+                return None
+            batch = asked.get(msg.rid, ("", ()))[1]
+            pos = msg.which[index]
+            if not 0 <= pos < len(batch) or len(batch[pos].positions) != 1:
+                return None
+            landing = place(batch[pos].positions[0], msg.layer, size)
+            if landing is not None:
+                landing.hasher = xxhash.xxh3_64() if self.verify else None
+            return landing
+
+        return land
+
+    def _serial(self, requests: dict[str, list[P.Get]], clock: Callable[[], float],
+                land: Callable | None = None) -> Iterator[_Arrived]:
         """The round's events, read on the caller's thread."""
-        with Exchange(self.links, self.timeout) as ex:
+        with Exchange(self.links, self.timeout, land) as ex:
             for node_id, msgs in requests.items():
                 for msg in msgs:
                     ex.request(node_id, msg, streamed=True)
             for event in ex.events():
                 yield _Arrived(event, clock())
 
-    def _parallel(self, requests: dict[str, list[P.Get]], clock: Callable[[], float]) -> Iterator[_Arrived]:
+    def _parallel(self, requests: dict[str, list[P.Get]], clock: Callable[[], float],
+                  land: Callable | None = None) -> Iterator[_Arrived]:
         """The round's events, each node's read by a thread of its own (see the module docstring)."""
         arrivals: queue.Queue = queue.Queue(maxsize=_QUEUED_PER_NODE * len(requests))
         stop = threading.Event()
         readers = self._reader_pool()
         for node_id, msgs in requests.items():
-            readers.submit(self._read_node, node_id, msgs, arrivals, stop, clock)
+            readers.submit(self._read_node, node_id, msgs, arrivals, stop, clock, land)
         running = len(requests)
         try:
             while running:
@@ -378,11 +414,11 @@ class Reads:
             return self._readers
 
     def _read_node(self, node_id: str, msgs: list[P.Get], arrivals: queue.Queue, stop: threading.Event,
-                   clock: Callable[[], float]) -> None:
+                   clock: Callable[[], float], land: Callable | None = None) -> None:
         """A node reader: run ``msgs`` on one node and hand over each event with its checksums."""
         metas: dict[int, list[ChunkMeta | None]] = {}  # rid -> its head's metadata (to cut payloads into layers)
         try:
-            with Exchange(self.links, self.timeout) as ex:
+            with Exchange(self.links, self.timeout, land) as ex:
                 for msg in msgs:
                     ex.request(node_id, msg, streamed=True)
                 for event in ex.events():
@@ -422,7 +458,8 @@ class Reads:
                 r.want = (meta.layers if end == -1 else end) - start
 
     def _check_layer(self, node_id: str, batch: list[KeyRead], msg: P.GetLayer, payloads: list,
-                     found: list, digests: list[list[int] | None] | None = None) -> list[tuple[KeyRead, memoryview]]:
+                     found: list, digests: list[list[int] | None] | None = None
+                     ) -> list[tuple[KeyRead, memoryview | Landed]]:
         """The payloads of ``msg`` that are whole layers of their keys and match their checksums
         (``digests``: computed already, by the node's reader)."""
         good = []
@@ -431,13 +468,16 @@ class Reads:
             if not 0 <= pos < len(batch):
                 continue
             r = batch[pos]
-            buf = memoryview(payload)
             meta = r.meta
             n = r.want if msg.span else 1
             lb = meta.layer_bytes if meta is not None else 0
             expected = [next(sums, None) for _ in range(n)]
+            if isinstance(payload, Landed) and not payload.complete:  # the caller took its place back
+                self._forget(r, found)
+                continue
+            buf = payload if isinstance(payload, Landed) else memoryview(payload)
             if meta is None or buf.nbytes != n * lb or (self.verify and (
-                    _layer_digests(buf, lb) if digests is None else digests[k]) != expected):
+                    _digests_of(buf, lb) if digests is None else digests[k]) != expected):
                 logger.warning("bad or corrupt layer %d of a chunk from %s", msg.layer, node_id)
                 if meta is not None and buf.nbytes == n * lb:  # bytes that fail their checksum
                     self._drop_corrupt(node_id, r.key)
@@ -511,13 +551,22 @@ def _digests(msg: P.GetLayer, payloads: list, metas: list[ChunkMeta | None]) -> 
     out: list[list[int] | None] = []
     for pos, payload in zip(msg.which, payloads):
         meta = metas[pos] if 0 <= pos < len(metas) else None
-        buf = memoryview(payload)
+        buf = payload if isinstance(payload, Landed) else memoryview(payload)
         lb = meta.layer_bytes if meta is not None else 0
         if not lb or buf.nbytes % lb or (not msg.span and buf.nbytes != lb):
             out.append(None)
             continue
-        out.append(_layer_digests(buf, lb))
+        out.append(_digests_of(buf, lb))
     return out
+
+
+def _digests_of(buf: memoryview | Landed, lb: int) -> list[int | None]:
+    """The XXH3 of each layer of a payload: a landed one's was taken as its bytes arrived."""
+    return [buf.digest] if isinstance(buf, Landed) else _layer_digests(buf, lb)
+
+
+def _nbytes(payload) -> int:
+    return payload.nbytes if isinstance(payload, Landed) else memoryview(payload).nbytes
 
 
 def _layer_digests(buf: memoryview, lb: int) -> list[int]:

@@ -25,7 +25,7 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -36,6 +36,7 @@ from kvring.common.records import split_data_addr
 
 from ..buffers import SlabPool
 from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, SendQueue, pack
+from ..landing import Landing
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +196,11 @@ class Links:
 class Exchange:
     """Requests to any nodes, run to completion on the calling thread (see the module docstring)."""
 
-    def __init__(self, links: Links, timeout: float) -> None:
+    def __init__(self, links: Links, timeout: float, land: Callable[[bytearray, int, int], Landing | None] | None = None
+                 ) -> None:
         self.links = links
         self.timeout = timeout  # how long a node may stay silent while a request waits on it
+        self.land = land  # the readers' ``land`` callback while this exchange has their connections
         self._conns: dict[str, Connection] = {}
         self._rid_conn: dict[int, Connection] = {}
         self._failed: deque[Failure] = deque()
@@ -218,6 +221,7 @@ class Exchange:
                 if link is None:
                     raise NodeUnavailable(f"node {node_id} is not a member")
                 conn = self._conns[node_id] = link.acquire()
+                conn.reader.land = self.land
             except NodeUnavailable as exc:
                 self._failed.append(Failure(node_id, [msg.rid], exc))
                 return msg.rid
@@ -321,6 +325,7 @@ class Exchange:
 
     def close(self) -> None:
         for node_id, conn in self._conns.items():
+            conn.reader.land = None
             link = self.links.get(node_id)
             if conn.outstanding or conn.out or link is None:
                 conn.close()

@@ -16,9 +16,11 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvring.cachenode import framing
 from kvring.cachenode.framing import LOW_WATER, FrameLimits, FrameReader, pack
+from kvring.cachenode.landing import Landed, Landing
 from kvring.common.tls import generate
 
 LIMITS = FrameLimits(max_header=1 << 20, max_payloads=8, max_payload=8 << 20, max_total=32 << 20)
@@ -155,3 +157,131 @@ def test_an_eager_reader_shares_a_buffer_among_payloads_up_to_what_one_payload_m
         thread.join(10)
     assert allocated == [6 << 20, 6 << 20]
     assert [bytes(memoryview(p)) for p in got[0].payloads] == payloads
+
+
+class _Places:
+    """The ``land`` callback of a test: every other large payload gets a landing in one shared
+    destination, cut into pieces placed anywhere in it (as a chunk's rows land in scattered cache
+    blocks), with some pieces dropped (rows the caller does not want); ``wanted`` turns false
+    after ``take_back_after`` receives into the destination (an abandoned load)."""
+
+    def __init__(self, rng: random.Random, take_back_after: int | None = None) -> None:
+        self.rng = rng
+        self.dest = np.zeros(64 << 20, np.uint8)
+        self.free = 0
+        self.lock = threading.Lock()
+        self.landings: list[tuple[int, int, list[tuple[int, int, int | None]]]] = []  # (message, payload, pieces)
+        self.receives = 0
+        self.take_back_after = take_back_after
+        self.message = 0
+
+    def wanted(self) -> bool:
+        assert self.lock.locked()  # only ever asked under the guard
+        self.receives += 1
+        return self.take_back_after is None or self.receives <= self.take_back_after
+
+    def __call__(self, header: bytearray, index: int, size: int):
+        if index % 2:
+            return None
+        pieces, segments, at = [], [], 0  # (offset in the payload, size, place in dest or None: dropped)
+        while at < size:
+            n = min(size - at, self.rng.choice([1, 100, 4096, 70_000, 1 << 20]))
+            if self.rng.random() < 0.2:
+                pieces.append((at, n, None))
+                segments.append(n)
+            else:
+                place = self.free
+                self.free += n + self.rng.choice([0, 8, 4096])
+                pieces.append((at, n, place))
+                segments.append(memoryview(self.dest)[place:place + n])
+            at += n
+        self.landings.append((self.message, index, pieces))
+        return Landing(segments, self.lock, self.wanted, xxhash.xxh3_64())
+
+
+@pytest.mark.parametrize("tls,budget", [(False, None), (True, None), (True, 1)],
+                         ids=["plain", "tls", "tls-one-record-a-turn"])
+def test_payloads_land_in_their_places_byte_for_byte_with_their_digest(credentials, tls, budget, monkeypatch):
+    """An eager reader with a ``land`` callback receives each landed payload into its scattered
+    views and drops its dropped pieces: every placed byte is the payload's, nothing outside the
+    places is written, the digest is the whole payload's XXH3, and the other payloads and
+    messages come out as sent.  Cuts anywhere put a payload's first bytes in the receive buffer
+    (copied into its landing) or not (received straight into it)."""
+    if budget is not None:
+        monkeypatch.setattr(framing, "TLS_READ_BYTES", budget)
+    messages = _messages(random.Random(12))
+    frames = [b"".join(bytes(memoryview(x)) for x in pack(h, p)) for h, p in messages]
+    places = _Places(random.Random(3))
+    got = _read_all(credentials, tls, frames, len(messages), places)
+    written = np.zeros(len(places.dest), bool)
+    landed = 0
+    for m, index, pieces in places.landings:
+        payload = np.frombuffer(messages[m][1][index], np.uint8)
+        part = got[m].payloads[index]
+        assert isinstance(part, Landed) and part.complete and part.nbytes == len(payload)
+        assert part.digest == xxhash.xxh3_64_intdigest(payload)
+        for at, n, place in pieces:
+            if place is not None:
+                assert np.array_equal(places.dest[place:place + n], payload[at:at + n])
+                written[place:place + n] = True
+        landed += 1
+    assert landed > 10
+    assert not places.dest[~written].any()  # nothing written outside the places
+    for m, (header, payloads) in enumerate(messages):
+        assert bytes(got[m].header) == header
+        for i, p in enumerate(payloads):
+            if not isinstance(got[m].payloads[i], Landed):
+                assert bytes(memoryview(got[m].payloads[i])) == p
+
+
+def test_a_landing_taken_back_midway_gets_no_byte_after_and_the_stream_goes_on(credentials):
+    """``wanted`` turns false after a few receives (a load abandoned): from then on nothing is
+    written to any place (the rest of the payload, and later landings, are read and dropped),
+    the payload is ``complete=False`` with the whole payload's digest still, and every later
+    message comes out whole."""
+    messages = _messages(random.Random(13))
+    frames = [b"".join(bytes(memoryview(x)) for x in pack(h, p)) for h, p in messages]
+    places = _Places(random.Random(4), take_back_after=20)
+    got = _read_all(credentials, True, frames, len(messages), places)
+    incomplete = [(m, i) for m, i, _ in places.landings if not got[m].payloads[i].complete]
+    assert incomplete and places.receives > 20
+    for m, index, _ in places.landings:
+        assert got[m].payloads[index].digest == xxhash.xxh3_64_intdigest(messages[m][1][index])
+    # What the places hold is exactly the bytes of the first 20 receives: a prefix of the landed
+    # pieces, in order, and zeros after it.
+    order = [(m, i, at, n, place) for m, i, pieces in places.landings for at, n, place in pieces if place is not None]
+    ends = [place + n for *_, n, place in order]
+    last = max((k for k, (m, i, at, n, place) in enumerate(order) if places.dest[place:place + n].any()), default=-1)
+    assert last >= 0 and not places.dest[ends[last]:].any()
+    for m, i, at, n, place in order[:last]:  # the pieces before the cut: all there
+        assert np.array_equal(places.dest[place:place + n], np.frombuffer(messages[m][1][i], np.uint8)[at:at + n])
+    for m, (header, payloads) in enumerate(messages):
+        assert bytes(got[m].header) == header
+        for i, p in enumerate(payloads):
+            if not isinstance(got[m].payloads[i], Landed):
+                assert bytes(memoryview(got[m].payloads[i])) == p
+
+
+def _read_all(credentials, tls: bool, frames: list[bytes], count: int, places: _Places) -> list:
+    sender, receiver = _connected(credentials, tls)
+    with sender, receiver:
+        thread = _Sender(sender, frames, random.Random(6))
+        thread.start()
+        receiver.setblocking(False)
+        poller = select.poll()
+        poller.register(receiver.fileno(), select.POLLIN)
+        reader = FrameReader(LIMITS, eager=True)
+        reader.land = places
+        got: list = []
+        while len(got) < count:
+            assert thread.stuck is None, f"message {thread.stuck} arrived but was never read out"
+            if not poller.poll(100):
+                continue
+            places.message = len(got)  # the message under way: the sender waits for each one's reading
+            new = reader.read(receiver)
+            got += new
+            for _ in new:
+                thread.read.release()
+        thread.join(10)
+    assert reader.held == 0
+    return got

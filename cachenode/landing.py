@@ -1,0 +1,136 @@
+"""Payloads read straight into their final place (a KV cache's blocks) instead of a buffer.
+
+A client's ``FrameReader`` asks its ``land`` callback, as each large payload begins, whether the
+payload has a place of its own: a ``Landing``, the payload's bytes in order as ``segments``,
+each a writable byte view to fill (a run of cache slots) or a count of bytes to read and drop
+(rows the caller does not want).  The reader then receives the payload into those views, one
+``recv`` (or TLS record) at a time, with no buffer and no copy between the socket and the cache.
+
+The place belongs to someone else, who may take it back at any moment (a load abandoned past
+its deadline, whose blocks vLLM then gives to another request).  So each receive into a view
+runs under the landing's ``guard`` and only while ``wanted()``; once it says no, the rest of the
+payload is read and dropped.  The reader never waits for bytes while holding the guard: its
+socket is non-blocking, so a receive under the guard takes what has arrived and returns.
+
+``hasher`` (optional) sees every byte of the payload in order, dropped ones included, so that
+its digest is the payload's checksum: the bytes in the views are checked, not a copy of them.
+The finished payload is a ``Landed``: its size, whether every byte reached its view, and the
+digest.  A payload that fails its checksum has already been written: the caller must treat its
+place as not loaded (the connector reports those blocks failed, and vLLM recomputes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+_DROP_BYTES = 64 << 10  # scratch that dropped bytes are read into
+
+
+@dataclass(slots=True)
+class Landing:
+    """Where one payload goes (see the module docstring)."""
+
+    segments: list[memoryview | int]  # in the payload's order: a view to fill, or bytes to drop
+    guard: AbstractContextManager  # held around each receive into a view (a lock)
+    wanted: Callable[[], bool]  # checked under the guard before each receive into a view
+    hasher: object | None = None  # ``update(view)`` with every byte, in order (an ``xxh3_64``)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s if isinstance(s, int) else s.nbytes for s in self.segments)
+
+
+@dataclass(slots=True)
+class Landed:
+    """A payload read into its ``Landing``: ``complete`` unless ``wanted`` said no partway (then
+    some of its bytes were dropped, not written); ``digest``: the hasher's, if it had one."""
+
+    nbytes: int
+    complete: bool
+    digest: int | None
+
+
+class Sink:
+    """One payload being received into its ``Landing``."""
+
+    __slots__ = ("landing", "size", "filled", "complete", "_segment", "_offset", "_drop")
+
+    def __init__(self, landing: Landing, size: int) -> None:
+        if landing.nbytes != size:
+            raise ValueError(f"a landing of {landing.nbytes} bytes for a payload of {size}")
+        if any(isinstance(s, memoryview) and (s.readonly or s.itemsize != 1 or not s.c_contiguous)
+               for s in landing.segments):
+            raise ValueError("a landing's views must be writable, contiguous bytes")
+        self.landing = landing
+        self.size = size
+        self.filled = 0
+        self.complete = True
+        self._segment = 0
+        self._offset = 0
+        self._drop: memoryview | None = None
+        self._skip_empty()
+
+    @property
+    def done(self) -> bool:
+        return self.filled == self.size
+
+    def landed(self) -> Landed:
+        hasher = self.landing.hasher
+        return Landed(self.size, self.complete, hasher.intdigest() if hasher is not None else None)
+
+    def receive(self, read: Callable[[memoryview], int]) -> int:
+        """Receive once (``read(view)``: ``recv_into`` or a TLS read; it may raise that nothing
+        is there) into where the next bytes go; the bytes received (0: the peer closed)."""
+        view, placed = self._room()
+        if placed:
+            with self.landing.guard:
+                if self.landing.wanted():
+                    n = read(view)
+                    self._advance(view, n)
+                    return n
+            self.complete = False  # the place was taken back: the rest is dropped
+            view, _ = self._room()
+        n = read(view)
+        self._advance(view, n)
+        return n
+
+    def write(self, data: memoryview) -> None:
+        """Put ``data`` (the payload's next bytes, received elsewhere) where they go."""
+        at = 0
+        while at < data.nbytes:
+            at += self.receive(lambda view: _copy(view, data[at:at + view.nbytes]))
+
+    def _room(self) -> tuple[memoryview, bool]:
+        """Where the next bytes go, and whether that is the landing's place (not scratch)."""
+        segment = self.landing.segments[self._segment]
+        if isinstance(segment, memoryview) and self.complete:
+            return segment[self._offset:], True
+        left = (segment if isinstance(segment, int) else segment.nbytes) - self._offset
+        if self._drop is None:
+            self._drop = memoryview(bytearray(_DROP_BYTES))
+        return self._drop[:min(left, _DROP_BYTES)], False
+
+    def _advance(self, view: memoryview, n: int) -> None:
+        if not n:
+            return
+        if self.landing.hasher is not None:
+            self.landing.hasher.update(view[:n])
+        self.filled += n
+        self._offset += n
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        segments = self.landing.segments
+        while self._segment < len(segments):
+            segment = segments[self._segment]
+            if self._offset < (segment if isinstance(segment, int) else segment.nbytes):
+                return
+            self._segment += 1
+            self._offset = 0
+
+
+def _copy(view: memoryview, data: memoryview) -> int:
+    view[:data.nbytes] = data
+    return data.nbytes

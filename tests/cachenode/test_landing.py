@@ -1,0 +1,194 @@
+"""Streamed layers received straight into their places (``iter_layers(place=...)``, ``landing.py``):
+real etcd, real TLS node processes over loopback, the real cluster client, on the caller's thread
+and with a reader thread per node.
+
+What must hold: every placed byte is the stored byte when its layer is delivered, nothing outside
+the places is written, a layer that fails its checksum is never delivered (the replica's bytes
+land over it), a place taken back gets no byte after, and a reader never waits for a node while
+holding the place's guard (an abandon does not wait for a hung node)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.landing import Landed, Landing
+
+from kvring.common.chunk import ChunkItem
+from kvring.common.contract import Contract
+
+LAYERS, LAYER_BYTES = 6, 192 << 10
+DROP = 4096  # each placed layer's first bytes are dropped, as rows before a load's first token are
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server):
+    from kvring.local.cluster import LocalCluster
+
+    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster="test-landing",
+                      contract=Contract(replication=2), tls=True, node_args=["--fault-injection"]) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["callers-thread", "reader-per-node"])
+def client(cluster, request):
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls, read_threads=request.param,
+                       timeout=3.0) as client:
+        assert client.wait_for_nodes(3)
+        yield client
+
+
+@pytest.fixture
+def stored(client):
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    data = {os.urandom(16): rng.integers(0, 256, size=LAYERS * LAYER_BYTES, dtype=np.uint8) for _ in range(24)}
+    items = [ChunkItem.of(k, v, [LAYERS, LAYER_BYTES], "uint8", 16) for k, v in data.items()]
+    assert client.put_many(items) == [2] * len(items)
+    return data
+
+
+class _Cache:
+    """Places for the layers of the keys at even positions: each layer's bytes after ``DROP``
+    in two pieces, swapped and apart, in one array (as a chunk's rows lie in scattered blocks)."""
+
+    def __init__(self, keys: int, wanted=lambda: True) -> None:
+        self.span = 2 * LAYER_BYTES
+        self.memory = np.zeros(keys * LAYERS * self.span, np.uint8)
+        self.lock = threading.Lock()
+        self.wanted = wanted
+        self.asked: list[tuple[int, int, int]] = []
+
+    def pieces(self, pos: int, layer: int) -> list[tuple[int, int, int]]:
+        """(offset in the layer, length, offset in memory) of each placed piece."""
+        base = (pos * LAYERS + layer) * self.span
+        half = (LAYER_BYTES - DROP) // 2
+        return [(DROP, half, base + LAYER_BYTES + 512), (DROP + half, LAYER_BYTES - DROP - half, base)]
+
+    def place(self, pos: int, layer: int, size: int) -> Landing | None:
+        self.asked.append((pos, layer, size))
+        if pos % 2 or size != LAYER_BYTES:
+            return None
+        view = memoryview(self.memory)
+        return Landing([DROP, *(view[at:at + n] for _, n, at in self.pieces(pos, layer))], self.lock, self.wanted)
+
+    def holds(self, pos: int, layer: int, data: np.ndarray) -> bool:
+        return all(np.array_equal(self.memory[at:at + n], data[layer * LAYER_BYTES + off:][:n])
+                   for off, n, at in self.pieces(pos, layer))
+
+    def placed_mask(self) -> np.ndarray:
+        mask = np.zeros(len(self.memory), bool)
+        for pos in range(0, len(self.memory) // (LAYERS * self.span), 2):
+            for layer in range(LAYERS):
+                for _, n, at in self.pieces(pos, layer):
+                    mask[at:at + n] = True
+        return mask
+
+
+def _deliveries(client: ClusterClient, keys: list[bytes], cache: _Cache, data: dict, found: list | None = None):
+    """Every delivery, checked as it arrives: a ``Landed`` layer's place already holds its bytes."""
+    got: dict[tuple[int, int], list[str]] = {}
+    for batch in client.iter_layers(keys, found=found, place=cache.place):
+        for i, view in zip(batch.indices, batch.views):
+            expected = data[keys[i]][batch.layer * LAYER_BYTES:(batch.layer + 1) * LAYER_BYTES]
+            if isinstance(view, Landed):
+                assert view.complete and view.nbytes == LAYER_BYTES
+                assert cache.holds(i, batch.layer, data[keys[i]]), f"key {i} layer {batch.layer} delivered wrong"
+                got.setdefault((i, batch.layer), []).append("landed")
+            else:
+                assert bytes(view) == expected.tobytes()
+                got.setdefault((i, batch.layer), []).append("view")
+    return got
+
+
+def test_layers_land_in_their_places_and_the_others_come_as_views(client, stored):
+    keys = list(stored)
+    cache = _Cache(len(keys))
+    got = _deliveries(client, keys, cache, stored)
+    assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
+    assert all(d == ["landed" if i % 2 == 0 else "view"] for (i, _), d in got.items())
+    assert not cache.memory[~cache.placed_mask()].any()  # the dropped bytes and the gaps: never written
+    assert sorted({(p, layer) for p, layer, _ in cache.asked}) == sorted(got)  # asked once per layer
+
+
+def test_a_corrupt_layer_that_landed_is_never_delivered_and_the_replicas_bytes_land_over_it(cluster, client, stored):
+    keys = list(stored)
+    victim = keys[4]  # an even position: placed
+    owner = client.owners(victim)[0]
+    node = next(n for n in cluster.nodes if n.node_id == owner)
+    req = urllib.request.Request(f"{node.admin_addr}/debug/corrupt?key={victim.hex()}", method="POST",
+                                 headers=cluster.node_auth)
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+    dropped = client.reads.corrupt_dropped
+    cache = _Cache(len(keys))
+    found: list = [None] * len(keys)
+    got = _deliveries(client, keys, cache, stored, found)  # each delivery checked as it came
+    assert client.reads.corrupt_dropped == dropped + 1  # caught by the checksum taken as it landed
+    assert all(m is not None for m in found)
+    assert all(cache.holds(4, layer, stored[victim]) for layer in range(LAYERS))
+    assert len([p for p, _, _ in cache.asked if p == 4]) > LAYERS  # read again from the replica, into the same places
+    assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
+
+
+def test_a_place_taken_back_gets_no_byte_after_and_its_keys_are_not_found(client, stored):
+    keys = list(stored)
+    receives, snapshot = [0], []
+
+    def wanted() -> bool:  # called under the guard before each receive into a place
+        receives[0] += 1
+        if receives[0] <= 40:
+            return True
+        if not snapshot:
+            snapshot.append(cache.memory.copy())
+        return False
+
+    cache = _Cache(len(keys), wanted)
+    found: list = [None] * len(keys)
+    for batch in client.iter_layers(keys, found=found, place=cache.place):
+        for i, view in zip(batch.indices, batch.views):
+            if isinstance(view, Landed):  # only what landed before the place was taken back
+                assert view.complete and cache.holds(i, batch.layer, stored[keys[i]])
+    assert snapshot and np.array_equal(cache.memory, snapshot[0])  # not one byte after
+    assert any(m is None for i, m in enumerate(found) if i % 2 == 0)  # those keys are not loaded
+    assert all(m is not None for i, m in enumerate(found) if i % 2)  # the others are
+
+
+def test_a_reader_waiting_on_a_hung_node_does_not_hold_the_guard(cluster, client, stored):
+    """A node stopped (SIGSTOP) mid-read: while the client waits for it, taking the guard (what
+    an abandon does) never waits for the node."""
+    keys = list(stored)
+    victim = next(n for n in cluster.nodes if n.node_id == client.owners(keys[0])[0])
+    cache = _Cache(len(keys))
+    waits: list[float] = []
+    done = threading.Event()
+
+    def abandoner() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            with cache.lock:
+                waits.append(time.monotonic() - t0)
+            time.sleep(0.01)
+
+    os.killpg(victim.pid, signal.SIGSTOP)
+    thread = threading.Thread(target=abandoner)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        found: list = [None] * len(keys)
+        got = _deliveries(client, keys, cache, stored, found)
+        elapsed = time.monotonic() - t0
+    finally:
+        done.set()
+        thread.join(5)
+        os.killpg(victim.pid, signal.SIGCONT)
+    assert elapsed >= 2.5  # the client did wait on the hung node (its timeout is 3 s)
+    assert len(waits) > 50 and max(waits) < 0.5
+    assert all(m is not None for m in found)  # every key from its replica
+    assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
+    client.wait_for_nodes(3)
