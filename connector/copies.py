@@ -90,6 +90,34 @@ class HostCopies:
         for pos, block, off, n in runs:
             dst[block, :, off:off + n] = src[row0 + pos:row0 + pos + n].transpose(1, 0, 2)
 
+    def places(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int]], size: int,
+               row0: int) -> list[memoryview | int] | None:
+        """Where a frame of ``size`` bytes (one chunk layer, ``[tokens, H, C]``) would go if
+        received straight into ``kv`` (``cachenode/landing.py``): in the frame's order, bytes to
+        drop (rows before ``row0`` and after the runs) and, for each run, the run's slots as one
+        writable byte view.  ``None`` where a run's slots are not one contiguous range of
+        memory (several heads per frame, or a layout with heads inside tokens) or the frame is
+        not whole rows that cover the runs: then the frame is copied (``load``)."""
+        if kv.shape[1] != 1:  # a frame of several heads is token-major, the cache head-major
+            return None
+        row = kv.shape[3] * kv.element_size()
+        if size % row or size // row < _rows_needed(runs, row0):
+            return None
+        dst = _ints(kv)
+        segments: list[memoryview | int] = [row0 * row] if row0 else []
+        at = row0
+        for pos, block, off, n in runs:
+            if row0 + pos != at:
+                return None
+            rows = dst[block, :, off:off + n]
+            if not rows.flags.c_contiguous:
+                return None
+            segments.append(memoryview(rows).cast("B"))
+            at += n
+        if size > at * row:
+            segments.append(size - at * row)
+        return segments
+
     def gather_into(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int, int]], bufs: list[torch.Tensor],
                     layer: int) -> None:
         """Copy the KV of the ``buffer_runs`` into layer ``layer`` of the chunk buffers ``bufs``."""
@@ -303,6 +331,11 @@ class BatchedCopies(HostCopies):
                 self._kvs.clear()
             hit = self._kvs[id(kv)] = (kv, _target(kv), kv.shape[1], kv.shape[3] * kv.element_size())
         return hit
+
+    def places(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int]], size: int,
+               row0: int) -> list[memoryview | int] | None:
+        """Never: frames are staged and sent to the cache in batches."""
+        return None
 
     def load(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int]], frame, row0: int) -> None:
         _, t, heads, row_bytes = self._view(kv)

@@ -33,6 +33,8 @@ COUNTERS: dict[str, str] = {
     "load_probes": "Loads admission would have refused but let start, to measure the cluster again",
     "loads": "Loads from the kvring cluster (one per request, or per step in layerwise and bulk modes)",
     "loaded_bytes": "Bytes of KV loaded into vLLM's cache",
+    "landed_bytes": "Bytes of KV loaded by receiving them straight into vLLM's cache, not copied there from a "
+                    "buffer (part of loaded_bytes)",
     "load_seconds": "Seconds spent loading (fetch, verify, copy into the paged cache)",
     "prefill_seconds_avoided": "Seconds the prompt tokens vLLM was told to load would have taken to compute, at "
                                "this instance's measured prefill speed (none counted until it has measured one)",

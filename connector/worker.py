@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from kvring.cachenode.client import ClusterClient, ReadMeter
+from kvring.cachenode.landing import Landed, Landing
 from kvring.common.chunk import ChunkItem
 
 from .config import ConnectorConfig
@@ -94,6 +95,7 @@ class _LoadJob:
         self.first_layer_s: float | None = None  # until layer 0 of every chunk was in the cache
         self.seconds = 0.0  # until the last layer was
         self.copy_seconds = 0.0  # of which copying into the paged cache (the rest: fetching and verifying)
+        self.landed = 0  # bytes of ``nbytes`` received straight into the cache (``_place``), not copied
         self.nbytes = 0
         self.meter = ReadMeter()  # what each node's share cost (admission learns from it)
         # One flat list of part keys over all requests: each chunk's parts of this worker in
@@ -123,11 +125,16 @@ class _LoadJob:
         unusable: set[int] = set()
         error = False
         try:
-            for batch in w.client.iter_layers(self.keys, found=found, meter=self.meter):
+            for batch in w.client.iter_layers(self.keys, found=found, meter=self.meter, place=self._place):
                 if self.abandoned:
                     break
                 layer = batch.layer
                 for i, view in zip(batch.indices, batch.views):
+                    if isinstance(view, Landed):  # received into the cache already, and checked
+                        got[layer, i] = True
+                        self.nbytes += view.nbytes
+                        self.landed += view.nbytes
+                        continue
                     try:
                         with self._lock:
                             if self.abandoned:
@@ -175,7 +182,7 @@ class _LoadJob:
             self.abandoned = True
             failed = sum(self._fail(i) for i in range(len(self.keys)))
             self.worker.counters.failed("abandoned", failed)
-            self.worker.counters.add(loads_abandoned=1, loads=1, loaded_bytes=self.nbytes,
+            self.worker.counters.add(loads_abandoned=1, loads=1, loaded_bytes=self.nbytes, landed_bytes=self.landed,
                                      load_seconds=time.perf_counter() - self.started)
             # The nodes that had not finished failed it (admission distrusts them now, rather
             # than taking their stall for their speed); the others' shares are measurements.
@@ -190,10 +197,37 @@ class _LoadJob:
         return req, first, lo, min(first + chunk, req.load.end)
 
     def _scatter(self, layer: int, i: int, view) -> None:
+        """Copy part ``i``'s frame of ``layer`` into the paged cache, at the part's head."""
+        where = self._where(layer, i)
+        if where is not None:
+            self.worker.copies.load(*where[:2], view, where[2])
+
+    def _place(self, i: int, layer: int, size: int) -> Landing | None:
+        """Where part ``i``'s frame of ``layer`` is received straight into the paged cache, if it
+        can be (``HostCopies.places``): run by the client's readers, as the frame begins.  Each
+        receive into the cache holds the load's lock and checks ``abandoned`` under it, as a
+        copy does, so no byte lands after an abandon."""
+        if not 0 <= layer < len(self.owner[i].part.layers):
+            return None
+        try:
+            where = self._where(layer, i)
+        except ValueError:  # copied, and refused there
+            return None
+        segments = self.worker.copies.places(where[0], where[1], size, where[2]) if where is not None else None
+        if segments is None:
+            return None
+        return Landing(segments, self._lock, self._wanted)
+
+    def _wanted(self) -> bool:
+        return not self.abandoned
+
+    def _where(self, layer: int, i: int) -> tuple[torch.Tensor, list, int] | None:
+        """Part ``i``'s layer ``layer`` in the cache: its head's view, the slot runs it writes
+        and the frame row of the first (``None``: it writes nothing)."""
         w = self.worker
         req, first, lo, hi = self._tokens(i)
         if hi <= lo:
-            return
+            return None
         owner = self.owner[i]
         target = owner.part.layers[layer]
         group = w.layer_groups[target]
@@ -203,8 +237,7 @@ class _LoadJob:
             if w.groups.hybrid and (slots < w.block_size).any():
                 raise ValueError("its window reaches a block vLLM did not allocate")  # never vLLM's null block
             runs = self._runs[(owner.job_chunk, group, owner.part.part.window)] = slot_runs(slots, w.block_size)
-        # Straight from the (read-only) socket frame into the paged cache, at the part's head.
-        w.copies.load(w.head_views[target][owner.part.head], runs, view, lo - first)
+        return w.head_views[target][owner.part.head], runs, lo - first
 
     def _fail(self, i: int) -> int:
         """Fail the blocks part ``i`` was to write (with several KV-cache groups, its request's
@@ -432,10 +465,11 @@ class WorkerSide:
 
     def record_load(self, job: _LoadJob) -> None:
         if not job.abandoned:  # an abandoned load was counted when it was abandoned
-            self.counters.add(loads=1, loaded_bytes=job.nbytes, load_seconds=job.seconds)
+            self.counters.add(loads=1, loaded_bytes=job.nbytes, landed_bytes=job.landed, load_seconds=job.seconds)
             self.counters.transfers(job.meter.transfers())
         entry = {"mode": self.config.load_mode, "chunks": job.chunks, "parts": len(job.keys), "bytes": job.nbytes,
                  "seconds": job.seconds, "first_layer_seconds": job.first_layer_s, "copy_seconds": job.copy_seconds,
+                 "landed_bytes": job.landed,
                  "failed_blocks": len(job.failed_blocks),
                  # which worker: under tensor or pipeline parallelism each appends its own lines
                  "heads": list(self.shard.heads), "layers": [self.shard.first_layer, self.shard.end_layer]}

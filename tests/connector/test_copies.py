@@ -106,3 +106,42 @@ def test_vllm_layouts_load_and_gather_per_head_without_touching_other_bytes(devi
     copies.gather_into(kv[:, head:head + 1], buffer_runs(slots, BS, [16, len(slots) - 16]), bufs, layer)
     copies.wait_saved(copies.saved())
     assert torch.equal(_bits(torch.cat([b[layer] for b in bufs])), _bits(frame_rows))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("row0, extra", [(0, 0), (3, 0), (0, 5), (7, 2)])
+def test_places_put_a_frame_exactly_where_load_copies_it_or_are_refused(shape, layout, row0, extra):
+    """``HostCopies.places``: writing a frame's bytes through its places (dropping the dropped
+    ones, as a reader receiving into them does) leaves the cache exactly as ``load`` does, on
+    every layout where a head's slots of a block are one contiguous range; elsewhere it refuses
+    (the frame is copied).  vLLM's CPU cache (``LBHNC``, one head per frame) always has places."""
+    heads, ch = SHAPES[shape]
+    layers, head, layer = 2, heads - 1, 1
+    rng = np.random.default_rng(len(layout) * 11 + heads + row0)
+    slots = (rng.permutation(BLOCKS)[:3][:, None] * BS + np.arange(BS)).reshape(-1)[5:45]
+    raw = torch.randn(layers * BLOCKS * heads * BS * ch).to(torch.bfloat16)
+    frame = torch.randn(row0 + len(slots) + extra, 1, ch).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    copies, runs = HostCopies(BS), slot_runs(slots, BS)
+    expected = raw.clone()
+    copies.load(vllm_views(expected, layers, BLOCKS, heads, BS, ch, layout)[layer][:, head:head + 1], runs,
+                memoryview(frame), row0)
+    kv = vllm_views(raw, layers, BLOCKS, heads, BS, ch, layout)[layer][:, head:head + 1]
+    segments = copies.places(kv, runs, len(frame), row0)
+    if layout == "LBHNC":
+        assert segments is not None
+    if segments is None:
+        return
+    at = 0
+    for segment in segments:
+        if isinstance(segment, int):
+            at += segment
+        else:
+            segment[:] = frame[at:at + segment.nbytes]
+            at += segment.nbytes
+    assert at == len(frame)
+    assert torch.equal(_bits(raw), _bits(expected))
+    assert copies.places(kv, runs, len(frame) - 1, row0) is None  # not whole rows
+    short = (row0 + len(slots) - 1) * ch * 2
+    assert copies.places(kv, runs, short, row0) is None  # rows missing
+    assert BatchedCopies(BS, torch.device("cpu")).places(kv, runs, len(frame), row0) is None

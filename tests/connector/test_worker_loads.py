@@ -26,9 +26,14 @@ CHUNK, BLOCK, HEADS, CH, LAYERS, BLOCKS = 32, 16, 2, 8, 3, 64
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
-def _caches(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+# Channels per head: frames of 8 are small (copied from a buffer), frames of 2048 are large
+# enough to be received straight into the cache (``HostCopies.places``), on the CPU.
+WIDTHS = [CH, 2048]
+
+
+def _caches(seed: int, device: str = "cpu", ch: int = CH) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"layer.{i}": torch.randn(BLOCKS, HEADS, BLOCK, CH, generator=g).to(torch.bfloat16).to(device)
+    return {f"layer.{i}": torch.randn(BLOCKS, HEADS, BLOCK, ch, generator=g).to(torch.bfloat16).to(device)
             for i in range(LAYERS)}
 
 
@@ -47,10 +52,10 @@ def _parts(key: bytes, heads=range(HEADS)) -> list[bytes]:
     return [ChunkPart(h, 0, LAYERS).key(key) for h in heads]
 
 
-def _saved(cluster, keys: list[bytes], blocks: list[int]) -> WorkerSide:
+def _saved(cluster, keys: list[bytes], blocks: list[int], ch: int = CH) -> WorkerSide:
     """A worker that saved ``keys`` (one chunk each) from ``blocks`` of its random cache."""
     saver = _worker(cluster, "layerwise")
-    saver.register_kv_caches(_caches(1))
+    saver.register_kv_caches(_caches(1, ch=ch))
     meta = KVRingMetadata([ReqMeta("a", _slots(blocks, len(keys) * CHUNK), blocks,
                                    save=SaveSpec(keys, 0, len(keys) * CHUNK))])
     for name in saver.layer_names:
@@ -71,14 +76,17 @@ def _finished(worker: WorkerSide, req_id: str, timeout: float) -> float:
     raise AssertionError(f"{req_id} not reported by get_finished within {timeout} s")
 
 
+@pytest.mark.parametrize("ch", WIDTHS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["layerwise", "bulk"])
-def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluster_factory, mode, device):
+def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluster_factory, mode, device, ch):
+    """Rows before ``write_from`` and the last token are never written, nor any other block,
+    whether the frames are copied in or received straight into the cache."""
     cluster = cluster_factory(nodes=2, memory=64 << 20)
     keys = [bytes([i]) * 16 for i in range(4)]
     src_blocks = list(range(8, 16))  # 4 chunks x 2 blocks
     saver = _worker(cluster, mode)
-    saver.register_kv_caches(_caches(1, device))
+    saver.register_kv_caches(_caches(1, device, ch))
     meta = KVRingMetadata([ReqMeta("a", _slots(src_blocks, 4 * CHUNK), src_blocks,
                                    save=SaveSpec(keys, 0, 4 * CHUNK, f"ns-{mode}-{device}"))])
     for name in saver.layer_names:
@@ -87,7 +95,7 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
     assert saver.parts_saved == 4 * HEADS
 
     loader = _worker(cluster, mode)
-    loader.register_kv_caches(_caches(2, device))
+    loader.register_kv_caches(_caches(2, device, ch))
     before = {n: t.clone() for n, t in loader.kv_caches.items()}
     assert loader.client.delete(_parts(keys[2], [1])) == 1  # one part evicted between lookup and load
     dst_blocks = list(range(30, 38))
@@ -115,6 +123,9 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
                 assert torch.equal(got, want_old), (name, t)
         other = [b for b in range(BLOCKS) if b not in dst_blocks]
         assert torch.equal(dst[other], old[other])
+    stats = loader.counters.take().data
+    assert stats["loaded_bytes"] > 0
+    assert stats["landed_bytes"] == (stats["loaded_bytes"] if ch > CH and device == "cpu" else 0)
     # Saved parts carry the request's namespace: flushing it removes the 7 that are left.
     assert loader.client.flush_namespace("ns-other") == 0
     assert loader.client.flush_namespace(f"ns-{mode}-{device}") == 7
@@ -158,15 +169,17 @@ def test_an_async_load_is_reported_through_get_finished(cluster_factory):
         w.client.close()
 
 
-def test_an_async_load_past_its_deadline_is_abandoned_and_writes_nothing_after(cluster_factory):
+@pytest.mark.parametrize("ch", WIDTHS)
+def test_an_async_load_past_its_deadline_is_abandoned_and_writes_nothing_after(cluster_factory, ch):
     """A node that hangs mid-load: the request is reported at its deadline with every block
-    failed, and when the node wakes up and delivers, not one byte lands in those blocks."""
+    failed, and when the node wakes up and delivers, not one byte lands in those blocks (copied
+    in, or received straight into the cache)."""
     cluster = cluster_factory(nodes=1, memory=64 << 20)
     keys = [bytes([i]) * 16 for i in range(20, 23)]
     dst_blocks = list(range(40, 46))
-    saver = _saved(cluster, keys, list(range(8, 14)))
+    saver = _saved(cluster, keys, list(range(8, 14)), ch)
     loader = _worker(cluster, "async")
-    loader.register_kv_caches(_caches(3))
+    loader.register_kv_caches(_caches(3, ch=ch))
     before = {n: t.clone() for n, t in loader.kv_caches.items()}
     node = cluster.nodes[0]
     os.kill(node.pid, signal.SIGSTOP)
