@@ -226,10 +226,11 @@ class _Short(PlainTcp):
         return super().stream(keys, spec)[:-1]
 
 
-def test_bench_reads_loads_every_byte_into_the_cache_on_both_read_paths_and_reports_them(tmp_path):
+def test_bench_reads_loads_every_byte_into_the_cache_on_every_read_path_and_reports_them(tmp_path):
     """A real run (3 TLS nodes, the bare TLS loop from 1 and 3 servers): every system's rounds,
     GB/s, CPU per byte and paired ratios in the JSON and a plot; the cache is checked byte for
-    byte after every kvring round, and a wrong byte there stops the bench."""
+    byte after every kvring round (received into it, or copied), and a wrong byte there stops
+    the bench."""
     from kvring.bench.reads import SYSTEMS, ReadsSettings, _PagedCache, run_bench_reads
 
     s = ReadsSettings(tokens=512, repetitions=2)
@@ -237,8 +238,10 @@ def test_bench_reads_loads_every_byte_into_the_cache_on_both_read_paths_and_repo
     assert json.loads((tmp_path / "reads.json").read_text())["gbps"].keys() == set(SYSTEMS)
     assert all(len(out["gbps"][n]) == 2 and all(g > 0 for g in out["gbps"][n]) for n in SYSTEMS)
     assert all(len(out["cpu_ns_per_byte"][n]) == 2 for n in SYSTEMS)
-    assert set(out["ratios"]) == {"kvring-1", "kvring-n"} and (tmp_path / "reads.png").stat().st_size > 0
+    assert set(out["ratios"]) == {"kvring-1", "kvring-n", "kvring-copy"} and (tmp_path / "reads.png").stat().st_size > 0
     assert out["settings"]["bytes"] == 512 * 4 * 256 * 4 * 6  # tokens, heads, channels, float32, layers
+    # Received straight into the cache on both read paths; copied from buffers on the third.
+    assert out["landed_share"] == {"kvring-1": 1.0, "kvring-n": 1.0, "kvring-copy": 0.0}
 
     cache = _PagedCache(s)
     parts = [np.random.default_rng(i).standard_normal((s.layers, s.chunk, s.channels), dtype=np.float32)

@@ -162,7 +162,8 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 row[mode] = {"ttft": res["ttft"], "loaded_tokens": res["cached"],
                              "identical": res["tokens"] == recompute["tokens"],
                              "load_bytes": load and load["bytes"], "load_seconds": load and load["seconds"],
-                             "load_chunks": load and load["chunks"], "copy_seconds": load and load.get("copy_seconds")}
+                             "load_chunks": load and load["chunks"], "copy_seconds": load and load.get("copy_seconds"),
+                             "landed_bytes": load and load.get("landed_bytes")}
             rows.append(row)
         for row, per_prompt in zip(rows, samples):
             for name, times in per_prompt.items():

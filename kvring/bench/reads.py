@@ -5,10 +5,12 @@ What ``bench e2e`` measures inside vLLM, without vLLM (so it runs where vLLM doe
 GPU machine's many cores): one local etcd and 3 nodes requiring the cluster's credentials (as
 `kvring up` runs them), holding one prompt's chunk parts (one part per KV head, layer-major,
 float32, as the connector saves them); a client streams every part's layers (``iter_layers``)
-and writes each into a host paged cache (``[blocks, heads, block size, C]`` per layer) through
-the connector's own copies (``HostCopies``), as a load does.  Two clients: one reading every
-node on the caller's thread (``read_threads=False``) and one with a reader thread per node
-(``True``).  Two baselines (``plain_tcp.py``): the bare TLS loop from one server holding every
+into a host paged cache (``[blocks, heads, block size, C]`` per layer) as a load does: each
+layer received straight into its blocks where the connector's ``HostCopies.places`` gives it
+places (``landing.py``), else copied there from its buffer (``HostCopies.load``).  Two clients:
+one reading every node on the caller's thread (``read_threads=False``) and one with a reader
+thread per node (``True``); and the first once more with every layer copied from a buffer (what
+every load did before layers were received into the cache), for the difference.  Two baselines (``plain_tcp.py``): the bare TLS loop from one server holding every
 chunk, and from as many servers as the cluster has nodes, each holding every third chunk and
 read by a thread of its own.  Every repetition runs all four, their order rotating; after each
 kvring round (untimed) every byte of the cache is compared with what was stored.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -37,14 +40,17 @@ from kvring.bench.plain_tcp import PlainTcp
 from kvring.bench.report import grouped_bars, machine, write_outputs
 from kvring.bench.system import BenchError, ChunkSpec, Sharded
 from kvring.bench.tls import paired_ratio, ratio_text, spread_text
+from kvring.cachenode.landing import Landed, Landing
 from kvring.common.chunk import ChunkItem
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
 
 NODES = 3
-SYSTEMS = ("kvring-1", "kvring-n", "bare-1", "bare-n")
+SYSTEMS = ("kvring-1", "kvring-n", "kvring-copy", "bare-1", "bare-n")
+KVRING = SYSTEMS[:3]
 LABELS = {"kvring-1": "kvring TLS, caller's thread", "kvring-n": "kvring TLS, reader per node",
-          "bare-1": "bare TLS loop, 1 server", "bare-n": f"bare TLS loop, {NODES} servers"}
+          "kvring-copy": "kvring TLS, caller's thread, copied", "bare-1": "bare TLS loop, 1 server",
+          "bare-n": f"bare TLS loop, {NODES} servers"}
 
 
 @dataclass(frozen=True)
@@ -76,15 +82,26 @@ class _PagedCache:
         self.heads = [[kv[:, h:h + 1] for h in range(s.heads)] for kv in self.layers]
         self.copies = HostCopies(s.block)
         self.runs = [slot_runs(np.arange(c * s.chunk, (c + 1) * s.chunk), s.block) for c in range(s.chunks)]
+        self.lock = threading.Lock()  # a load's guard, as the connector's
+        self.landed = 0  # bytes received straight into the cache, over every load
 
-    def load(self, client, keys: list[bytes]) -> int:
-        """Stream every part into the cache (part ``i``: chunk ``i // heads``, head ``i % heads``)."""
+    def load(self, client, keys: list[bytes], land: bool = True) -> int:
+        """Stream every part into the cache (part ``i``: chunk ``i // heads``, head ``i % heads``):
+        received straight into it (``land``), or copied from each layer's buffer."""
         moved = 0
-        for batch in client.iter_layers(keys):
+        for batch in client.iter_layers(keys, place=self.place if land else None):
             for i, view in zip(batch.indices, batch.views):
+                if isinstance(view, Landed):
+                    moved += view.nbytes
+                    self.landed += view.nbytes
+                    continue
                 self.copies.load(self.heads[batch.layer][i % self.s.heads], self.runs[i // self.s.heads], view, 0)
                 moved += len(view)
         return moved
+
+    def place(self, i: int, layer: int, size: int) -> Landing | None:
+        segments = self.copies.places(self.heads[layer][i % self.s.heads], self.runs[i // self.s.heads], size, 0)
+        return Landing(segments, self.lock, _always) if segments is not None else None
 
     def check(self, parts: list[np.ndarray]) -> None:
         """Every byte of the cache is the stored parts' (and then cleared for the next round)."""
@@ -96,6 +113,10 @@ class _PagedCache:
                 if not np.array_equal(rows, part[layer]):
                     raise BenchError(f"part {i}, layer {layer}: the cache does not hold the stored bytes")
             kv.zero_()
+
+
+def _always() -> bool:
+    return True
 
 
 def _cpu() -> float:
@@ -119,6 +140,7 @@ def run_bench_reads(s: ReadsSettings, json_out: Path | None = None, plot: Path |
               for c in range(s.chunks)]
     seconds: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     cpu: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    landed: dict[str, int] = {name: 0 for name in KVRING}  # bytes received straight into the cache
     with run_directory("bench-reads"), \
             LocalCluster(nodes=NODES, memory=2 * nbytes + (256 << 20), cluster="bench-reads", tls=True) as cluster, \
             ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls, read_threads=False) as one, \
@@ -135,20 +157,22 @@ def run_bench_reads(s: ReadsSettings, json_out: Path | None = None, plot: Path |
             spec = ChunkSpec("reads", "bench", (s.layers, s.heads * s.chunk * s.channels * 4 // 2))
             bare = {name: stack.enter_context(Sharded(make, servers, spec, chunks, b"reads-"))
                     for name, servers in (("bare-1", 1), ("bare-n", NODES))}
-            clients = {"kvring-1": one, "kvring-n": each}
-            for client in clients.values():  # a first load: connections, buffers, reader threads
-                cache.load(client, keys)
+            clients = {"kvring-1": one, "kvring-n": each, "kvring-copy": one}
+            for name, client in clients.items():  # a first load: connections, buffers, reader threads
+                cache.load(client, keys, land=name != "kvring-copy")
                 cache.check(parts)
             task = progress.add_task("interleaved rounds", total=s.repetitions)
             for rep in range(s.repetitions):
                 for name in SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[:rep % len(SYSTEMS)]:
-                    c0, t0 = _cpu(), time.perf_counter()
-                    moved = cache.load(clients[name], keys) if name in clients else bare[name].stream()
+                    c0, t0, l0 = _cpu(), time.perf_counter(), cache.landed
+                    moved = (cache.load(clients[name], keys, land=name != "kvring-copy") if name in clients
+                             else bare[name].stream())
                     seconds[name].append(time.perf_counter() - t0)
                     cpu[name].append(_cpu() - c0)
                     if moved != nbytes:
                         raise BenchError(f"{LABELS[name]} moved {moved} bytes of {nbytes}")
                     if name in clients:
+                        landed[name] += cache.landed - l0
                         cache.check(parts)
                 progress.advance(task)
 
@@ -156,9 +180,10 @@ def run_bench_reads(s: ReadsSettings, json_out: Path | None = None, plot: Path |
     results = {"settings": {"tokens": s.tokens, "layers": s.layers, "heads": s.heads, "channels": s.channels,
                             "chunk": s.chunk, "block": s.block, "repetitions": s.repetitions, "bytes": nbytes,
                             "nodes": NODES, "cpus": len(os.sched_getaffinity(0)), "machine": machine()},
+               "landed_share": {n: landed[n] / (nbytes * s.repetitions) for n in KVRING},
                "gbps": gbps, "cpu_ns_per_byte": {n: [c / nbytes * 1e9 for c in v] for n, v in cpu.items()},
                "ratios": {k: {b: paired_ratio(gbps[k], gbps[b]) for b in ("bare-1", "bare-n")}
-                          for k in ("kvring-1", "kvring-n")}}
+                          for k in KVRING}}
     table = Table(title=f"A {s.tokens}-token prompt ({nbytes / 2**20:.0f} MiB: {len(parts)} parts of {s.layers} layers) "
                         f"into a paged host cache, {NODES} nodes, mutual TLS 1.3, {results['settings']['cpus']} CPUs: "
                         f"median of {s.repetitions} interleaved rounds (min-max)")
