@@ -22,7 +22,9 @@ taken at the first read (``FIRST_BUFFER``), doubles after each recv that filled 
 ``RECV_BUFFER``) and can be let go while it holds nothing (``trim``); a large header is gathered
 as its bytes arrive; a large payload's own buffer is taken once its first byte is here (a
 client's reader, ``eager``, which trusts its nodes, takes it as soon as the socket is readable at
-the payload's start, so that every byte of it is read straight into it).
+the payload's start, so that every byte of it is read straight into it).  An eager reader with a
+``land`` callback asks it, as each large payload begins, for a place of its own (``landing.py``:
+views into a KV cache's blocks), and receives the payload there instead of into a buffer.
 ``held`` is what the reader holds of messages not yet complete, and ``declared`` the size the
 message under way announced, for a server that bounds the total (``server.py``).
 """
@@ -315,8 +317,9 @@ class FrameReader:
         payload still lacks (less one TLS record, which OpenSSL may already hold), so the bytes
         the sender owes always reach it; near the payload's end, and between payloads, it is 1."""
         want = 1
-        if self._target is not None or self._sink is not None:
-            left = (len(self._target) - self._filled) if self._target is not None else self._sink.size - self._sink.filled
+        left = (len(self._target) - self._filled if self._target is not None else
+                self._sink.size - self._sink.filled if self._sink is not None else None)
+        if left is not None:
             if isinstance(sock, ssl.SSLSocket):
                 left -= _TLS_RECORD
             if left >= _LOW_WATER_STEP:
@@ -333,13 +336,13 @@ class FrameReader:
         if (target is None and self._sink is None and self.eager and self._start == self._end
                 and self._next_is_payload()):
             self._sink = self._landing()
+            if self._sink is None:
+                run = self._payload_run()
+                target = self._target = self.allocate(sum(run))
+                self._splits = run if len(run) > 1 else None
+                self._filled = 0
         if self._sink is not None:
             return self._receive_sink(sock)
-        if target is None and self.eager and self._start == self._end and self._next_is_payload():
-            run = self._payload_run()
-            target = self._target = self.allocate(sum(run))
-            self._splits = run if len(run) > 1 else None
-            self._filled = 0
         try:
             if target is not None:
                 n = sock.recv_into(memoryview(target)[self._filled:])
