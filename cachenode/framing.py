@@ -341,10 +341,11 @@ class FrameReader:
                 target = self._target = self.allocate(sum(run))
                 self._splits = run if len(run) > 1 else None
                 self._filled = 0
-        if self._sink is not None:
-            return self._receive_sink(sock)
+        sink = self._sink
         try:
-            if target is not None:
+            if sink is not None:
+                n = sink.receive(sock.recv_into)
+            elif target is not None:
                 n = sock.recv_into(memoryview(target)[self._filled:])
             else:
                 room = self._room()
@@ -357,7 +358,11 @@ class FrameReader:
         self.received = n
         if n == 0:
             raise ConnectionClosed("connection closed by the peer")
-        if target is not None:
+        if sink is not None:
+            if not sink.done:
+                return []
+            self._take_sink()
+        elif target is not None:
             self._filled += n
             if self._filled < len(target):
                 return []
@@ -365,22 +370,6 @@ class FrameReader:
         else:
             self._hungry = n == room.nbytes
             self._end += n
-        return self._parse()
-
-    def _receive_sink(self, sock: socket.socket) -> list[Message]:
-        try:
-            n = self._sink.receive(sock.recv_into)
-        except WOULD_BLOCK:
-            self.received = 0
-            return []
-        except OSError as exc:
-            raise ConnectionClosed(f"connection broken: {exc}") from None
-        self.received = n
-        if n == 0:
-            raise ConnectionClosed("connection closed by the peer")
-        if not self._sink.done:
-            return []
-        self._take_sink()
         return self._parse()
 
     def _next_is_payload(self) -> bool:
