@@ -16,6 +16,18 @@ from kvring.bench.gpu import CASES, LAYOUTS, GpuSettings, main, parse_args, run_
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def test_the_stand_in_client_takes_every_argument_the_worker_passes_the_real_one():
+    """``HostParts`` stands in for ``ClusterClient.iter_layers`` in the worker's loads: a parameter
+    the real one gained and the stand-in lacks fails every load of the bench (on a GPU only)."""
+    import inspect
+
+    from kvring.bench.gpu import HostParts
+    from kvring.cachenode.client import ClusterClient
+
+    real = set(inspect.signature(ClusterClient.iter_layers).parameters)
+    assert real <= set(inspect.signature(HostParts.iter_layers).parameters)
+
+
 def test_the_default_step_is_a_llama_8b_cache_in_flashattention_layout():
     settings, args = parse_args(["--json-out", "r.json", "--plot", "r.png"])
     assert settings == GpuSettings()

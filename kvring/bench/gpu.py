@@ -121,7 +121,9 @@ class HostParts:
     def __init__(self, parts: dict[bytes, np.ndarray]) -> None:
         self.parts = parts  # part key -> its layers, [layers, bytes per layer]
 
-    def iter_layers(self, keys, layers=None, found=None, meter=None):
+    def iter_layers(self, keys, layers=None, found=None, meter=None, place=None):
+        """(``place`` is not used: the parts are in this process's memory already, and the copy
+        into the cache is what this bench measures; a client may always deliver a view.)"""
         arrays = [self.parts[k] for k in keys]
         if found is not None:
             found[:] = [True] * len(keys)  # every part is there (a real read stores its ChunkMeta)
