@@ -7,10 +7,11 @@ GPU machine's many cores): one local etcd and 3 nodes requiring the cluster's cr
 float32, as the connector saves them); a client streams every part's layers (``iter_layers``)
 into a host paged cache (``[blocks, heads, block size, C]`` per layer) as a load does: each
 layer received straight into its blocks where the connector's ``HostCopies.places`` gives it
-places (``landing.py``), else copied there from its buffer (``HostCopies.load``).  Two clients:
-one reading every node on the caller's thread (``read_threads=False``) and one with a reader
-thread per node (``True``); and the first once more with every layer copied from a buffer (what
-every load did before layers were received into the cache), for the difference.  Two baselines (``plain_tcp.py``): the bare TLS loop from one server holding every
+places (``landing.py``), else copied there from its buffer (``HostCopies.load``).  Three ways:
+every node read on the caller's thread, each layer received into the cache (what a load does);
+the same with each layer copied from a buffer (what every load did before); and a reader thread
+per node (``read_threads=True``), the copies on the caller's thread meanwhile (what loads did
+where there were cores for it; a round whose layers have places does not use readers).  Two baselines (``plain_tcp.py``): the bare TLS loop from one server holding every
 chunk, and from as many servers as the cluster has nodes, each holding every third chunk and
 read by a thread of its own.  Every repetition runs all four, their order rotating; after each
 kvring round (untimed) every byte of the cache is compared with what was stored.
@@ -48,9 +49,10 @@ from kvring.local.rundir import run_directory
 NODES = 3
 SYSTEMS = ("kvring-1", "kvring-n", "kvring-copy", "bare-1", "bare-n")
 KVRING = SYSTEMS[:3]
-LABELS = {"kvring-1": "kvring TLS, caller's thread", "kvring-n": "kvring TLS, reader per node",
+LABELS = {"kvring-1": "kvring TLS, received into the cache", "kvring-n": "kvring TLS, reader per node, copied",
           "kvring-copy": "kvring TLS, caller's thread, copied", "bare-1": "bare TLS loop, 1 server",
           "bare-n": f"bare TLS loop, {NODES} servers"}
+LANDS = {"kvring-1"}  # the systems whose layers are received straight into the cache
 
 
 @dataclass(frozen=True)
@@ -159,13 +161,13 @@ def run_bench_reads(s: ReadsSettings, json_out: Path | None = None, plot: Path |
                     for name, servers in (("bare-1", 1), ("bare-n", NODES))}
             clients = {"kvring-1": one, "kvring-n": each, "kvring-copy": one}
             for name, client in clients.items():  # a first load: connections, buffers, reader threads
-                cache.load(client, keys, land=name != "kvring-copy")
+                cache.load(client, keys, land=name in LANDS)
                 cache.check(parts)
             task = progress.add_task("interleaved rounds", total=s.repetitions)
             for rep in range(s.repetitions):
                 for name in SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[:rep % len(SYSTEMS)]:
                     c0, t0, l0 = _cpu(), time.perf_counter(), cache.landed
-                    moved = (cache.load(clients[name], keys, land=name != "kvring-copy") if name in clients
+                    moved = (cache.load(clients[name], keys, land=name in LANDS) if name in clients
                              else bare[name].stream())
                     seconds[name].append(time.perf_counter() - t0)
                     cpu[name].append(_cpu() - c0)

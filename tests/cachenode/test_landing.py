@@ -1,6 +1,6 @@
 """Streamed layers received straight into their places (``iter_layers(place=...)``, ``landing.py``):
-real etcd, real TLS node processes over loopback, the real cluster client, on the caller's thread
-and with a reader thread per node.
+real etcd, real TLS node processes over loopback, the real cluster client, with reader threads
+off and on (a round whose layers have places stays on the caller's thread either way).
 
 What must hold: every placed byte is the stored byte when its layer is delivered, nothing outside
 the places is written, a layer that fails its checksum is never delivered (the replica's bytes
@@ -36,7 +36,7 @@ def cluster(etcd_server):
         yield cluster
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["callers-thread", "reader-per-node"])
+@pytest.fixture(scope="module", params=[False, True], ids=["read-threads-off", "read-threads-on"])
 def client(cluster, request):
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls, read_threads=request.param,
                        timeout=3.0) as client:
@@ -106,10 +106,19 @@ def _deliveries(client: ClusterClient, keys: list[bytes], cache: _Cache, data: d
     return got
 
 
-def test_layers_land_in_their_places_and_the_others_come_as_views(client, stored):
+def test_layers_land_in_their_places_and_the_others_come_as_views(client, stored, monkeypatch):
     keys = list(stored)
     cache = _Cache(len(keys))
+    readers: list[str] = []
+    original = type(client.reads)._read_node
+
+    def recorded(self, node_id, *args):
+        readers.append(node_id)
+        return original(self, node_id, *args)
+
+    monkeypatch.setattr(type(client.reads), "_read_node", recorded)
     got = _deliveries(client, keys, cache, stored)
+    assert not readers  # the round stayed on this thread, read threads or not
     assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
     assert all(d == ["landed" if i % 2 == 0 else "view"] for (i, _), d in got.items())
     assert not cache.memory[~cache.placed_mask()].any()  # the dropped bytes and the gaps: never written
