@@ -264,11 +264,9 @@ class FrameReader:
         read = sock.read
         got = 0
         try:
-            while not sink.done and (got < budget or sock.pending()):
-                n = sink.receive(lambda view: read(view.nbytes, view))
-                if not n:
-                    raise ConnectionClosed("connection closed by the peer")
-                got += n
+            got, closed = sink.fill(lambda view: read(view.nbytes, view), budget, sock.pending, WOULD_BLOCK)
+            if closed:
+                raise ConnectionClosed("connection closed by the peer")
         except WOULD_BLOCK:
             pass
         except OSError as exc:

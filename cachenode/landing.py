@@ -96,6 +96,36 @@ class Sink:
         self._advance(view, n)
         return n
 
+    def fill(self, read: Callable[[memoryview], int], budget: int, pending: Callable[[], int],
+             blocked: tuple[type[BaseException], ...]) -> tuple[int, bool]:
+        """Receive for as long as bytes are there (``read`` raises one of ``blocked`` when none
+        is), up to ``budget`` bytes and then what ``pending()`` says is decrypted already: a
+        TLS reader's turn, taking one record a read.  The guard is taken once per place, not
+        once per read, and a place's bytes are hashed once per turn: what the reader pays per
+        record is one read.  Returns the bytes received and whether the peer closed."""
+        got = 0
+        while not self.done and (got < budget or pending()):
+            view, placed = self._room()
+            try:
+                if placed:
+                    with self.landing.guard:
+                        if not self.landing.wanted():
+                            self.complete = False  # the place was taken back: the rest is dropped
+                            continue
+                        n, closed, stop = _reads(view, read, budget - got, pending, blocked)
+                        self._advance(view, n)  # hashed under the guard: the place is still ours
+                else:
+                    n, closed, stop = _reads(view, read, budget - got, pending, blocked)
+                    self._advance(view, n)
+            except blocked:
+                if got:  # nothing more there now: what this turn took
+                    return got, False
+                raise
+            got += n
+            if closed or stop:
+                return got, closed
+        return got, False
+
     def write(self, data: memoryview) -> None:
         """Put ``data`` (the payload's next bytes, received elsewhere) where they go."""
         at = 0
@@ -129,6 +159,24 @@ class Sink:
                 return
             self._segment += 1
             self._offset = 0
+
+
+def _reads(view: memoryview, read: Callable[[memoryview], int], budget: int, pending: Callable[[], int],
+           blocked: tuple[type[BaseException], ...]) -> tuple[int, bool, bool]:
+    """Fill ``view`` by reads while bytes are there (see ``Sink.fill``): the bytes read, whether
+    the peer closed, and whether to stop (nothing more there now)."""
+    filled, size = 0, view.nbytes
+    while filled < size and (filled < budget or pending()):
+        try:
+            n = read(view[filled:])
+        except blocked:
+            if filled:
+                return filled, False, True
+            raise
+        if not n:
+            return filled, True, True
+        filled += n
+    return filled, False, False
 
 
 def _copy(view: memoryview, data: memoryview) -> int:
