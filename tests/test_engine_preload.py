@@ -27,9 +27,3 @@ def test_gnu_openmp_inherited_from_a_process_that_imported_vllm_is_dropped():
     preload = engine_env({"LD_PRELOAD": f"{inherited}:/opt/other.so"})["LD_PRELOAD"].split(":")
     assert inherited not in preload and "/opt/other.so" in preload
     assert [Path(p).name for p in preload][:2] == [Path(p).name for p in engine_env({})["LD_PRELOAD"].split(":")]
-
-
-def test_the_engines_openmp_threads_sleep_when_idle_unless_the_caller_says_otherwise():
-    """Spinning OpenMP threads hold the cores a load's thread needs between forward passes."""
-    assert engine_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert engine_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"

