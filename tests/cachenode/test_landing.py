@@ -27,12 +27,12 @@ LAYERS, LAYER_BYTES = 6, 192 << 10
 DROP = 4096  # each placed layer's first bytes are dropped, as rows before a load's first token are
 
 
-@pytest.fixture(scope="module")
-def cluster(etcd_server):
+@pytest.fixture(scope="module", params=[True, False], ids=["tls", "plain"])
+def cluster(etcd_server, request):
     from kvring.local.cluster import LocalCluster
 
-    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster="test-landing",
-                      contract=Contract(replication=2), tls=True, node_args=["--fault-injection"]) as cluster:
+    with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster=f"test-landing-{request.param}",
+                      contract=Contract(replication=2), tls=request.param, node_args=["--fault-injection"]) as cluster:
         yield cluster
 
 
