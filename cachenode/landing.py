@@ -3,13 +3,14 @@
 A client's ``FrameReader`` asks its ``land`` callback, as each large payload begins, whether the
 payload has a place of its own: a ``Landing``, the payload's bytes in order as ``segments``,
 each a writable byte view to fill (a run of cache slots) or a count of bytes to read and drop
-(rows the caller does not want).  The reader then receives the payload into those views, one
-``recv`` (or TLS record) at a time, with no buffer and no copy between the socket and the cache.
+(rows the caller does not want).  The reader then receives the payload into those views, with
+no buffer and no copy between the socket and the cache.
 
 The place belongs to someone else, who may take it back at any moment (a load abandoned past
 its deadline, whose blocks vLLM then gives to another request).  So each receive into a view
-runs under the landing's ``guard`` and only while ``wanted()``; once it says no, the rest of the
-payload is read and dropped.  The reader never waits for bytes while holding the guard: its
+runs under the landing's ``guard`` and only while ``wanted()`` (checked once per view and turn,
+and a turn reads only what has arrived); once it says no, the rest of the payload is read and
+dropped.  The reader never waits for bytes while holding the guard: its
 socket is non-blocking, so a receive under the guard takes what has arrived and returns.
 
 ``hasher`` (optional) sees every byte of the payload in order, dropped ones included, so that
@@ -81,20 +82,10 @@ class Sink:
         return Landed(self.size, self.complete, hasher.intdigest() if hasher is not None else None)
 
     def receive(self, read: Callable[[memoryview], int]) -> int:
-        """Receive once (``read(view)``: ``recv_into`` or a TLS read; it may raise that nothing
-        is there) into where the next bytes go; the bytes received (0: the peer closed)."""
-        view, placed = self._room()
-        if placed:
-            with self.landing.guard:
-                if self.landing.wanted():
-                    n = read(view)
-                    self._advance(view, n)
-                    return n
-            self.complete = False  # the place was taken back: the rest is dropped
-            view, _ = self._room()
-        n = read(view)
-        self._advance(view, n)
-        return n
+        """Receive once (``read(view)``: ``recv_into``; it may raise that nothing is there) into
+        where the next bytes go; the bytes received (0: the peer closed).  ``fill`` with a
+        budget of one read, so the guard's rule lives in one place."""
+        return self.fill(read, 1, _nothing_pending, ())[0]
 
     def fill(self, read: Callable[[memoryview], int], budget: int, pending: Callable[[], int],
              blocked: tuple[type[BaseException], ...]) -> tuple[int, bool]:
@@ -177,6 +168,10 @@ def _reads(view: memoryview, read: Callable[[memoryview], int], budget: int, pen
             return filled, True, True
         filled += n
     return filled, False, False
+
+
+def _nothing_pending() -> int:
+    return 0
 
 
 def _copy(view: memoryview, data: memoryview) -> int:

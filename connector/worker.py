@@ -77,6 +77,14 @@ class _PartLoad(NamedTuple):
     job_chunk: int  # its chunk's number in the job (slot runs are per chunk)
 
 
+class _Where(NamedTuple):
+    """Where one part's layer goes in the paged cache."""
+
+    kv: torch.Tensor  # its head's view of the layer
+    runs: list  # the slot runs it writes (``slot_runs``)
+    row0: int  # the frame row of the first
+
+
 class _LoadJob:
     """Fetches every load of one step and scatters it layer by layer; layer events gate compute."""
 
@@ -200,11 +208,11 @@ class _LoadJob:
         """Copy part ``i``'s frame of ``layer`` into the paged cache, at the part's head."""
         where = self._where(layer, i)
         if where is not None:
-            self.worker.copies.load(*where[:2], view, where[2])
+            self.worker.copies.load(where.kv, where.runs, view, where.row0)
 
     def _place(self, i: int, layer: int, size: int) -> Landing | None:
         """Where part ``i``'s frame of ``layer`` is received straight into the paged cache, if it
-        can be (``HostCopies.places``): run by the client's readers, as the frame begins.  Each
+        can be (``HostCopies.places``): asked by the client's frame reader as the frame begins.  Each
         receive into the cache holds the load's lock and checks ``abandoned`` under it, as a
         copy does, so no byte lands after an abandon."""
         if not 0 <= layer < len(self.owner[i].part.layers):
@@ -213,7 +221,7 @@ class _LoadJob:
             where = self._where(layer, i)
         except ValueError:  # copied, and refused there
             return None
-        segments = self.worker.copies.places(where[0], where[1], size, where[2]) if where is not None else None
+        segments = self.worker.copies.places(where.kv, where.runs, size, where.row0) if where is not None else None
         if segments is None:
             return None
         return Landing(segments, self._lock, self._wanted)
@@ -221,7 +229,7 @@ class _LoadJob:
     def _wanted(self) -> bool:
         return not self.abandoned
 
-    def _where(self, layer: int, i: int) -> tuple[torch.Tensor, list, int] | None:
+    def _where(self, layer: int, i: int) -> _Where | None:
         """Part ``i``'s layer ``layer`` in the cache: its head's view, the slot runs it writes
         and the frame row of the first (``None``: it writes nothing)."""
         w = self.worker
@@ -237,7 +245,7 @@ class _LoadJob:
             if w.groups.hybrid and (slots < w.block_size).any():
                 raise ValueError("its window reaches a block vLLM did not allocate")  # never vLLM's null block
             runs = self._runs[(owner.job_chunk, group, owner.part.part.window)] = slot_runs(slots, w.block_size)
-        return w.head_views[target][owner.part.head], runs, lo - first
+        return _Where(w.head_views[target][owner.part.head], runs, lo - first)
 
     def _fail(self, i: int) -> int:
         """Fail the blocks part ``i`` was to write (with several KV-cache groups, its request's
