@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 
@@ -98,6 +99,37 @@ def test_data_plane_tcp_baseline_returns_exactly_the_bytes_put():
     finally:
         tcp.close()
     assert tcp.proc.poll() is not None
+
+
+class _CutMidReply(PlainTcp):
+    """The bare TLS loop, whose stream is cut after its first layer's reply, as a signal
+    unwinding a run cuts it: the rest of the reply is still on its way."""
+
+    def _slices(self, offset):
+        if offset:
+            raise KeyboardInterrupt
+        return super()._slices(offset)
+
+
+def test_a_baseline_cut_mid_reply_closes_at_once(tmp_path):
+    """A bare-loop client stopped mid-reply (SIGHUP during `kvring bench tls`) used to send its
+    server a stop request on the half-read connection and wait up to its 60 s timeout for an
+    answer that never came; now it closes at once and its server is gone."""
+    spec = ChunkSpec("test", "test", (4, 2, 8, 1, 4096))  # 4 layers of 128 KiB
+    payloads = [np.random.default_rng(i).integers(0, 256, spec.nbytes, dtype=np.uint8) for i in range(4)]
+    keys = [b"k%d" % i for i in range(4)]
+    tcp = _CutMidReply(tls=generate(tmp_path / "tls", "bench-tls"))
+    try:
+        tcp.attach(spec, payloads)
+        assert tcp.put(keys, payloads, spec) and not tcp.in_flight
+        with pytest.raises(KeyboardInterrupt):
+            tcp.stream(keys, spec)
+        assert tcp.in_flight
+    finally:
+        t0 = time.monotonic()
+        tcp.close()
+        closed_in = time.monotonic() - t0
+    assert tcp.proc.poll() is not None and closed_in < 10
 
 
 def test_data_plane_stops_on_wrong_bytes(cluster_factory, monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ the admin's ``/docs`` needs no CDN.  (``--version`` and the help texts: ``test_c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -206,6 +207,7 @@ def test_up_stopped_by_a_signal_leaves_no_process_and_no_file(sig, tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc, text = _up(scratch, "--nodes", "2", "--memory", "64MiB")
+    children: list[psutil.Process] = []
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
         names = sorted(c.name() for c in children)
@@ -219,8 +221,7 @@ def test_up_stopped_by_a_signal_leaves_no_process_and_no_file(sig, tmp_path):
         assert alive == [], f"still running after {sig.name}: {alive}"
         assert list(scratch.iterdir()) == []
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_what_is_left(proc, children)
         proc.stdout.close()
         proc.stderr.close()
 
@@ -233,9 +234,9 @@ def test_a_benchmark_stopped_by_sighup_leaves_no_process_and_no_file(tmp_path):
     proc = subprocess.Popen([*KVRING, "bench", "tls", "--repetitions", "1000"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(scratch)},
                             start_new_session=True)
+    children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60
-        children: list[psutil.Process] = []
         while len(children) < 3 and time.monotonic() < deadline:  # etcd and both nodes
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
@@ -253,9 +254,19 @@ def test_a_benchmark_stopped_by_sighup_leaves_no_process_and_no_file(tmp_path):
         assert alive == [], f"still running after SIGHUP: {alive}"
         assert list(scratch.iterdir()) == []
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_what_is_left(proc, children)
         proc.stderr.close()
+
+
+def _kill_what_is_left(proc: subprocess.Popen, children: list[psutil.Process]) -> None:
+    """After a failed stop: the run and the children it started in sessions of their own, killed and
+    reaped, so that no process outlives the test that failed."""
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_admin_docs_load_nothing_from_another_host(etcd_server):

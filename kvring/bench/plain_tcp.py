@@ -30,12 +30,13 @@ that talks to it.  An unknown op or a short read closes the connection; the clie
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import struct
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -198,9 +199,20 @@ class PlainTcp(System):
             terminate(self.proc)
             raise
         self.buf = np.empty(0, dtype=np.uint8)  # the preallocated receive buffer, grown when needed
+        self.in_flight = False  # a request whose reply was not read to its end (see ``_exchange``)
 
-    def _request(self, op: int, keys: Sequence[bytes], a: int = 0, b: int = 0,
-                 payloads: Sequence[Buffer] = ()) -> None:
+    @contextlib.contextmanager
+    def _exchange(self, op: int, keys: Sequence[bytes], a: int = 0, b: int = 0,
+                  payloads: Sequence[Buffer] = ()) -> Iterator[None]:
+        """One request and, inside the block, the reading of its whole reply.  A reply cut short
+        (an error, or a signal unwinding the run) leaves the connection mid-stream: ``close`` then
+        knows not to send the server another request and wait for an answer that never comes."""
+        self.in_flight = True
+        self._request(op, keys, a, b, payloads)
+        yield
+        self.in_flight = False
+
+    def _request(self, op: int, keys: Sequence[bytes], a: int, b: int, payloads: Sequence[Buffer]) -> None:
         table = b"".join(KEY_LEN.pack(len(k)) + k for k in keys)
         head = [REQUEST.pack(op, len(keys), a, b, len(table)), table]
         if payloads:
@@ -245,36 +257,36 @@ class PlainTcp(System):
         self.buf.fill(0)
 
     def put(self, keys: list[bytes], payloads: Sequence[Buffer], spec: ChunkSpec) -> bool:
-        self._request(PUT, keys, payloads=payloads)
-        return COUNT.unpack(self._recv(COUNT.size))[0] == len(keys)
+        with self._exchange(PUT, keys, payloads=payloads):
+            return COUNT.unpack(self._recv(COUNT.size))[0] == len(keys)
 
     def get(self, keys: list[bytes], spec: ChunkSpec, layers: Range) -> list[Buffer | None]:
         lo, hi = spec.span(layers)
-        self._request(GET, keys, lo, hi)
-        return self._slices(0)[0]
+        with self._exchange(GET, keys, lo, hi):
+            return self._slices(0)[0]
 
     def stream(self, keys: list[bytes], spec: ChunkSpec) -> list[list[Buffer | None]]:
-        self._request(STREAM, keys, spec.layer_bytes, spec.layers)
         out, offset = [], 0
-        for _ in range(spec.layers):
-            views, offset = self._slices(offset)
-            out.append(views)
+        with self._exchange(STREAM, keys, spec.layer_bytes, spec.layers):
+            for _ in range(spec.layers):
+                views, offset = self._slices(offset)
+                out.append(views)
         return out
 
     def exists(self, keys: list[bytes]) -> list[bool]:
-        self._request(EXISTS, keys)
-        return [bool(x) for x in self._recv(len(keys))]
+        with self._exchange(EXISTS, keys):
+            return [bool(x) for x in self._recv(len(keys))]
 
     def clear(self, keys: list[bytes]) -> None:
-        self._request(DELETE, keys)
-        self._recv(COUNT.size)
+        with self._exchange(DELETE, keys):
+            self._recv(COUNT.size)
 
     def close(self) -> None:
         try:
-            if self.proc.poll() is None:
-                self._request(STOP, [])
-                self._recv(COUNT.size)
-            self.proc.wait(5)
+            if self.proc.poll() is None and not self.in_flight:
+                with self._exchange(STOP, []):
+                    self._recv(COUNT.size)
+                self.proc.wait(5)
         except (BenchError, subprocess.TimeoutExpired):
             pass
         self.sock.close()
