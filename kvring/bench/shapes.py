@@ -148,8 +148,11 @@ def run_bench_shapes(sizes: Sequence[int] = (2048, 4096), layers: int = 6, hidde
         with LocalCluster(nodes=3, memory=memory, cluster="bench-shapes") as cluster, \
                 ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
             bar.advance(task)
+            # Every load runs and is measured to its end: no admission, and no deadline derived from
+            # these tiny models' recompute (0.1 s, so a first async load's connections and a busy
+            # machine's stall would have it abandoned and measure a recompute instead).
             conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
-                    "lookup_deadline_ms": 10_000}
+                    "lookup_deadline_ms": 10_000, "load_deadline_ms": 10_000}
             for shape in SHAPES:
                 bar.update(task, description=f"{shape}: writing a random model (no download)")
                 model = _write_model(shape, tmp / shape, layers, hidden)
