@@ -46,8 +46,12 @@ def client(cluster, request):
 
 @pytest.fixture
 def stored(client):
+    return _store(client, 24)
+
+
+def _store(client: ClusterClient, keys: int) -> dict[bytes, np.ndarray]:
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-    data = {os.urandom(16): rng.integers(0, 256, size=LAYERS * LAYER_BYTES, dtype=np.uint8) for _ in range(24)}
+    data = {os.urandom(16): rng.integers(0, 256, size=LAYERS * LAYER_BYTES, dtype=np.uint8) for _ in range(keys)}
     items = [ChunkItem.of(k, v, [LAYERS, LAYER_BYTES], "uint8", 16) for k, v in data.items()]
     assert client.put_many(items) == [2] * len(items)
     return data
@@ -168,6 +172,60 @@ def test_a_place_taken_back_gets_no_byte_after_and_its_keys_are_not_found(client
     assert all(m is not None for i, m in enumerate(found) if i % 2)  # the others are
 
 
+def test_a_node_killed_while_its_layer_lands_ends_in_the_replicas_bytes(cluster, client):
+    """A node SIGKILLed while one of its layers is being received into its place: the layer it
+    cut short is never delivered, every key comes whole from its replica into the same places,
+    and nothing outside the places is written.  The node has some 24 MiB to send, more than the
+    sockets' buffers hold, so it dies with part of it unsent."""
+    stored = _store(client, 72)
+    keys = list(stored)
+    index = next(i for i, n in enumerate(cluster.nodes) if n.node_id == client.owners(keys[0])[0])
+    victim = cluster.nodes[index]
+    owned = {i for i, k in enumerate(keys) if i % 2 == 0 and client.owners(k)[0] == victim.node_id}
+    killed: list[tuple[int, int]] = []
+
+    class _KillingCache(_Cache):
+        def place(self, pos: int, layer: int, size: int) -> Landing | None:
+            landing = super().place(pos, layer, size)
+            if landing is None or pos not in owned or killed:
+                return landing
+
+            def wanted() -> bool:  # the first receive into this layer's place: the node is sending it
+                if not killed:
+                    os.kill(victim.pid, signal.SIGKILL)
+                    killed.append((pos, layer))
+                return True
+            return Landing(landing.segments, landing.guard, wanted)
+
+    cache = _KillingCache(len(keys))
+    found: list = [None] * len(keys)
+    try:
+        got = _deliveries(client, keys, cache, stored, found)  # every delivery checked as it came
+        assert killed, "no layer of the victim's was landing"
+        # What the node had not sent when it died was landed again, from the replica, in the same places.
+        assert any(cache.asked.count(a) == 2 for a in set(cache.asked) if a[0] in owned)
+        assert all(m is not None for m in found)  # the killed node's keys from their replicas
+        assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
+        assert all(cache.holds(i, layer, stored[keys[i]]) for i in range(0, len(keys), 2) for layer in range(LAYERS))
+        assert not cache.memory[~cache.placed_mask()].any()
+    finally:
+        cluster.restart(index, graceful=False)
+        _until_two_copies(client, victim.node_id)
+        client.delete(keys)
+
+
+def _until_two_copies(client: ClusterClient, node_id: str, timeout: float = 15.0) -> None:
+    """Until the client writes to ``node_id`` again (it skips a node it saw fail until the node
+    registers anew), so the next test's keys get both their copies."""
+    key = next(k for k in (b"probe-%d" % i for i in range(100)) if node_id in client.owners(k))
+    item = ChunkItem.of(key, np.zeros(LAYERS * 16, np.uint8), [LAYERS, 16], "uint8", 16)
+    deadline = time.monotonic() + timeout
+    while client.put_many([item]) != [2]:
+        assert time.monotonic() < deadline, f"{node_id} takes no writes {timeout:.0f} s after its restart"
+        time.sleep(0.1)
+    client.delete([key])
+
+
 def test_a_reader_waiting_on_a_hung_node_does_not_hold_the_guard(cluster, client, stored):
     """A node stopped (SIGSTOP) mid-read: while the client waits for it, taking the guard (what
     an abandon does) never waits for the node."""
@@ -201,3 +259,4 @@ def test_a_reader_waiting_on_a_hung_node_does_not_hold_the_guard(cluster, client
     assert all(m is not None for m in found)  # every key from its replica
     assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
     client.wait_for_nodes(3)
+
