@@ -235,6 +235,7 @@ def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
     assert all(f"B {mode}" in text for mode in MODES) and "768|768|768" in text
     assert "mutual TLS" in text and "bare TLS GB/s 1|3 servers" in text
     assert "0.47|0.94" in text  # 9 MiB in 20 ms from one server, in 10 ms from three
+    assert "load / bare TLS" in text and "2.00|2.00|2.00" in text  # each mode's 10 ms load against 20 ms
     _plot(results, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 

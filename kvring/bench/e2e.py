@@ -6,7 +6,8 @@ default 6 layers, hidden 1024, GQA 8/4 heads of 128, MLP 11008: 12 KiB of KV per
 
 - ``store``: computes each prompt once and saves its chunks (the first instance's cost);
 - ``layerwise``, ``bulk`` and ``async``: a second instance in each load mode gets the same
-  prompts and loads them (vLLM's own prefix caching off, so every hit comes from kvring); the
+  prompts ``repetitions`` times over and loads them every time (vLLM's own prefix caching off,
+  so every hit comes from kvring; the figures are medians, with their range in the JSON); the
   ``async`` instance loads between steps while the request waits (its TTFT includes that
   wait); the layerwise instance then prefills each prompt again under a ``cache_salt`` of its
   own (nothing can load): the recompute baseline in the very same engine, which the speed-ups
@@ -84,7 +85,7 @@ def _baseline_times(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, chu
     return times
 
 
-def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict | None], layers: int,
+def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict], layers: int,
                       credentials, nodes: int) -> None:
     """One round of every baseline on the bytes of each prompt's load (``loads``, in prompt order),
     taken right after an instance ran: the baselines' samples interleave with kvring's loads.  The
@@ -104,9 +105,11 @@ def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict | 
 
 def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
                   intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None,
-                  tls: bool = True, dtype: str = "bfloat16") -> dict:
+                  tls: bool = True, dtype: str = "bfloat16", repetitions: int = 5) -> dict:
     """Time to first token loaded vs recomputed (see the README); ``tls``: the data plane as
-    `kvring up` runs it (mutual TLS), or plain TCP; ``dtype``: the model's and its KV cache's."""
+    `kvring up` runs it (mutual TLS), or plain TCP; ``dtype``: the model's and its KV cache's;
+    ``repetitions``: loads of each prompt per load mode (a load is a fraction of a second, and
+    this machine's noise is a quarter of one)."""
     from kvring.engine.run import run_instance, write_tiny_llama
 
     console = Console(width=None if Console().is_terminal else 200)  # the table is 12 columns wide
@@ -133,16 +136,19 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 bar.update(task, description=f"vLLM instance '{name}'")
                 stats_path = tmp / f"{name}.loads.jsonl"
                 conn = cluster.connector(stats_path=str(stats_path), load_mode="layerwise" if name == "store" else name)
-                items = [_warmup(name), *({"tokens": p} for p in prompts)]
+                loads = 1 if name == "store" else repetitions
+                items = [_warmup(name), *({"tokens": p} for _ in range(loads) for p in prompts)]
                 if name == "layerwise":
                     items += [{"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts)]
                 runs[name] = run_instance(tmp, name, {**base, "connector": conn, "prompts": items})
                 stats[name] = [json.loads(line) for line in stats_path.read_text().splitlines()] \
                     if stats_path.exists() else []
+                if name in MODES and len(stats[name]) != repetitions * len(sizes):
+                    raise BenchError(f"the {name} instance recorded {len(stats[name])} loads, expected "
+                                     f"{repetitions * len(sizes)} (one per prompt and repetition)")
                 if name in MODES:
                     bar.update(task, description="raw ZMQ, plain TCP and the bare TLS loop, the same bytes")
-                    _sample_baselines(samples, [stats[name][i] if i < len(stats[name]) else None
-                                                for i in range(len(sizes))], layers, credentials, NODES)
+                    _sample_baselines(samples, stats[name][:len(sizes)], layers, credentials, NODES)
                 bar.advance(task)
         bar.update(task, description="vLLM instance without a connector")
         runs["plain"] = run_instance(tmp, "plain", {**base, "prompts": [_warmup("plain"),
@@ -151,19 +157,28 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
 
         rows = []
         for i, n in enumerate(sizes):
-            recompute = runs["layerwise"]["results"][1 + len(sizes) + i]
+            recompute = runs["layerwise"]["results"][1 + repetitions * len(sizes) + i]
             row = {"tokens": n, "recompute_ttft": recompute["ttft"], "recomputed_tokens": recompute["cached"],
                    "no_connector_ttft": runs["plain"]["results"][i + 1]["ttft"],
                    "store_ttft": runs["store"]["results"][i + 1]["ttft"]}
             for mode in MODES:
-                res = runs[mode]["results"][i + 1]
-                # The loads of this prompt: the mode's statistics, in prompt order (warm-up loads nothing).
-                load = stats[mode][i] if i < len(stats[mode]) else None
-                row[mode] = {"ttft": res["ttft"], "loaded_tokens": res["cached"],
-                             "identical": res["tokens"] == recompute["tokens"],
-                             "load_bytes": load and load["bytes"], "load_seconds": load and load["seconds"],
-                             "load_chunks": load and load["chunks"], "copy_seconds": load and load.get("copy_seconds"),
-                             "landed_bytes": load and load.get("landed_bytes")}
+                # This prompt's repetitions: results after the warm-up, and the mode's load statistics
+                # (one line per load, in order; the warm-up loads nothing).
+                at = [r * len(sizes) + i for r in range(repetitions)]
+                res = [runs[mode]["results"][1 + j] for j in at]
+                loads = [stats[mode][j] for j in at]
+                row[mode] = {"ttft": statistics.median(x["ttft"] for x in res), "ttfts": [x["ttft"] for x in res],
+                             "loaded_tokens": min(x["cached"] for x in res),
+                             "identical": all(x["tokens"] == recompute["tokens"] for x in res),
+                             "load_bytes": loads[0]["bytes"],
+                             "load_seconds": statistics.median(x["seconds"] for x in loads),
+                             "load_seconds_each": [x["seconds"] for x in loads],
+                             "load_chunks": loads[0]["chunks"],
+                             "copy_seconds": max(x.get("copy_seconds", 0.0) for x in loads),
+                             "landed_bytes": min(x.get("landed_bytes", 0) for x in loads)}
+                if any(x["bytes"] != loads[0]["bytes"] for x in loads):
+                    raise BenchError(f"{mode}: the loads of the {n}-token prompt moved different byte counts: "
+                                     f"{[x['bytes'] for x in loads]}")
             rows.append(row)
         for row, per_prompt in zip(rows, samples):
             for name, times in per_prompt.items():
@@ -171,7 +186,8 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 row[f"{name}_samples"] = len(times)
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
-                         "kv_heads": 4, "head_dim": 128, "dtype": dtype}, "tls": tls, "rows": rows}
+                         "kv_heads": 4, "head_dim": 128, "dtype": dtype}, "tls": tls, "repetitions": repetitions,
+               "rows": rows}
     console.print(_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results
@@ -185,10 +201,11 @@ def _table(results: dict) -> Table:
     m = results["model"]
     table = Table(title=f"kvring bench e2e: time to first token, {m['layers']}-layer hidden-{m['hidden']} "
                         f"Llama (MLP {m['intermediate']}, {m.get('dtype', 'bfloat16')}) on CPU, {NODES} nodes, "
-                        f"{'mutual TLS' if results.get('tls') else 'plain TCP'}")
+                        f"{'mutual TLS' if results.get('tls') else 'plain TCP'}; B: median of "
+                        f"{results.get('repetitions', 1)} loads per mode")
     for col in ("tokens", "recompute", "no connector", "A: compute+save", *(f"B {mode}" for mode in MODES),
-                "loaded", "load GB/s lw|bulk|async", f"bare TLS GB/s 1|{NODES} servers", "raw ZMQ GB/s",
-                "plain TCP GB/s",
+                "loaded", "load GB/s lw|bulk|async", f"bare TLS GB/s 1|{NODES} servers",
+                "load / bare TLS lw|bulk|async", "raw ZMQ GB/s", "plain TCP GB/s",
                 "same tokens"):
         table.add_column(col, justify="right", overflow="fold")
     for r in results["rows"]:
@@ -201,6 +218,8 @@ def _table(results: dict) -> Table:
             "|".join(f"{_gbps(x['load_bytes'], x['load_seconds']):.2f}" for x in b),
             f"{_gbps(r['bulk']['load_bytes'], r.get('bare_tls_seconds')):.2f}|"
             f"{_gbps(r['bulk']['load_bytes'], r.get('bare_tls_nodes_seconds')):.2f}",
+            "|".join(f"{r['bare_tls_seconds'] / x['load_seconds']:.2f}" if x["load_seconds"] and r.get("bare_tls_seconds")
+                     else "-" for x in b),
             f"{_gbps(r['bulk']['load_bytes'], r.get('raw_zmq_seconds')):.2f}",
             f"{_gbps(r['bulk']['load_bytes'], r.get('plain_tcp_seconds')):.2f}",
             "yes" if all(x["identical"] for x in b) else "NO")

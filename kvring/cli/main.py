@@ -506,6 +506,8 @@ def bench_e2e(
     dtype: Annotated[BenchDtype, typer.Option(
         "--dtype", help="The model's dtype (and its KV cache's). auto: bfloat16 where the CPU computes it natively "
              "(AVX-512 BF16, AMX), else float32; float32 with --tp.")] = BenchDtype.auto,
+    repetitions: Annotated[int | None, typer.Option(
+        help="Loads of each prompt per load mode, medians reported (default 5; not with --tp).", min=1)] = None,
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -517,6 +519,9 @@ def bench_e2e(
 
     sizes = _prompt_sizes(tokens, example="1024,4096")
     if tp > 1:
+        if repetitions is not None:
+            raise typer.BadParameter("--tp compares TP sizes with one load each; leave it out",
+                                     param_hint="--repetitions")
         if KV_HEADS % tp:
             raise typer.BadParameter(f"the bench's model has {KV_HEADS} KV heads, which {tp} ranks cannot split; "
                                      "use 2 or 4", param_hint="--tp")
@@ -530,7 +535,7 @@ def bench_e2e(
         typer.echo("warning: this CPU has no native bfloat16 (AVX-512 BF16 or AMX): a recompute runs about 100x "
                    "slower than in float32 and may outlast vLLM's step timeout", err=True)
     run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
-                  json_out=json_out, plot=plot, tls=tls, dtype=chosen)
+                  json_out=json_out, plot=plot, tls=tls, dtype=chosen, repetitions=repetitions or 5)
 
 
 @bench_app.command("shapes")
