@@ -136,8 +136,8 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                 bar.update(task, description=f"vLLM instance '{name}'")
                 stats_path = tmp / f"{name}.loads.jsonl"
                 conn = cluster.connector(stats_path=str(stats_path), load_mode="layerwise" if name == "store" else name)
-                loads = 1 if name == "store" else repetitions
-                items = [_warmup(name), *({"tokens": p} for _ in range(loads) for p in prompts)]
+                rounds = 1 if name == "store" else repetitions
+                items = [_warmup(name), *({"tokens": p} for _ in range(rounds) for p in prompts)]
                 if name == "layerwise":
                     items += [{"tokens": p, "salt": f"recompute-{i}"} for i, p in enumerate(prompts)]
                 runs[name] = run_instance(tmp, name, {**base, "connector": conn, "prompts": items})
