@@ -13,7 +13,6 @@ from typing import Any
 
 LOAD_MODES = ("layerwise", "bulk", "async")
 ADAPTER_IDENTITIES = ("content", "name")
-READ_THREADS = ("auto", "on", "off")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -64,10 +63,6 @@ class ConnectorConfig:
     # reused from load to load, so not even the first load pays the page faults of fresh memory
     # (a streamed load cycles through about 64 MiB whatever its size; 0: map on demand).
     receive_buffer_mb: int = 64
-    # A load from several nodes reads each on a thread of its own and copies into the cache ("on"),
-    # or reads them all on one thread, on vLLM's CPU cache straight into its blocks ("off");
-    # "auto": on where the process may use 4 CPUs or more (the cluster client's read_threads).
-    read_threads: str = "auto"
     # Tokens per chunk; must equal the cluster's (None: take the cluster's).
     chunk_size: int | None = None
     # Append one JSON line per load (chunks, bytes, seconds) to this file ("": off);
@@ -92,9 +87,6 @@ class ConnectorConfig:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 milliseconds, got {getattr(self, name)} "
                                  f"(KVRING_{name.upper()})")
-        if self.read_threads not in READ_THREADS:
-            raise ValueError(f"read_threads must be one of {READ_THREADS}, got {self.read_threads!r} "
-                             "(kv_connector_extra_config 'read_threads' or KVRING_READ_THREADS)")
         if self.adapter_identity not in ADAPTER_IDENTITIES:
             raise ValueError(f"adapter_identity must be one of {ADAPTER_IDENTITIES}, got {self.adapter_identity!r} "
                              "(kv_connector_extra_config 'adapter_identity' or KVRING_ADAPTER_IDENTITY)")

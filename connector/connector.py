@@ -36,9 +36,7 @@ logger = logging.getLogger(__name__)
 def connect(config: ConnectorConfig) -> ClusterClient:
     """A cluster client whose hashing contract matches ours, or ``ContractMismatch``."""
     tls = ClusterCredentials.at(config.tls_dir) if config.tls_dir else None
-    read_threads = None if config.read_threads == "auto" else config.read_threads == "on"
-    client = ClusterClient(config.etcd, cluster=config.cluster, timeout=config.timeout, tls=tls,
-                           read_threads=read_threads)
+    client = ClusterClient(config.etcd, cluster=config.cluster, timeout=config.timeout, tls=tls)
     c = client.contract
     diff = []
     if c.hash_algorithm != HASH_ALGORITHM:

@@ -34,7 +34,6 @@ def test_config_from_extra_config_env_and_defaults():
     ({"etcd": "h:1", "etc": "typo"}, "unknown kv_connector_extra_config keys"),
     ({"etcd": "h:1", "load_mode": "later"}, "'layerwise', 'bulk', 'async'"),
     ({"etcd": "h:1", "lookup_deadline_ms": -5}, "lookup_deadline_ms must be >= 0"),
-    ({"etcd": "h:1", "read_threads": "yes"}, "read_threads must be one of"),
     ({"etcd": "h:1", "adapter_identity": "id"}, "adapter_identity must be one of"),
 ])
 def test_bad_settings_say_what_to_set(extra, message):

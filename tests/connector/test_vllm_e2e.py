@@ -78,12 +78,9 @@ def _part_keys(run: dict, chunk_keys) -> set[str]:
 def test_second_instance_loads_what_the_first_computed(etcd_server, model, prompts, reference, mode, tmp_path):
     p1, p2 = prompts
     encrypted = mode == "layerwise"  # one of the two runs goes over the mutual-TLS data plane
-    # ... and reads every node on one thread, straight into the cache; the other reads each node
-    # on a thread of its own and copies (what ``read_threads`` "auto" picks on 4 CPUs or more).
-    read_threads = "off" if encrypted else "on"
     with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster=f"e2e-{mode}",
                       tls=encrypted) as cluster:
-        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": mode, "read_threads": read_threads,
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_mode": mode,
                 **({"tls_dir": str(cluster.tls.directory)} if encrypted else {})}
         with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
             nodes = list(client.members.values())
@@ -110,9 +107,7 @@ def test_second_instance_loads_what_the_first_computed(etcd_server, model, promp
     outs = [r["tokens"] for r in b["results"]]
     cached = [r["cached"] for r in b["results"]]
     loads = [json.loads(line) for line in stats.read_text().splitlines()]
-    # Received straight into the cache, or copied in from the readers' buffers.
-    assert loads and all(x["landed_bytes"] == (x["bytes"] if read_threads == "off" else 0) and x["bytes"] > 0
-                         for x in loads)
+    assert loads and all(x["landed_bytes"] == x["bytes"] > 0 for x in loads)  # received straight into the cache
     assert outs[:3] == reference[:3] and outs[3] == reference[0] and outs[4] == reference[3]
     assert [r["tokens"] for r in a["results"]] == reference[:2]
     # Every whole chunk; k chunks; another salt: nothing; a prompt that is all cached (exactly 4
@@ -216,7 +211,7 @@ def test_corrupt_chunk_is_recomputed_in_both_modes(etcd_server, model, prompts, 
     p1, p2 = prompts
     with LocalCluster(nodes=3, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-corrupt",
                       node_args=["--fault-injection"]) as cluster:
-        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "read_threads": "off"}  # landed, on any machine
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster}
         a = _run(tmp_path, "A", {"model": model, "connector": conn, "prompts": [{"tokens": p1}, {"tokens": p2}]})
         # A part of p1's chunk 2 and of p2's chunk 3 (not shared).
         bad = [ChunkPart(*a["parts"][0]).key(bytes.fromhex(k)).hex() for k in (a["keys"][0][2], a["keys"][1][3])]

@@ -39,8 +39,7 @@ def _caches(seed: int, device: str = "cpu", ch: int = CH) -> dict[str, torch.Ten
 
 def _worker(cluster, mode: str) -> WorkerSide:
     config = ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, load_mode=mode, timeout=2.0)
-    # One thread reads every node (as below 4 CPUs): large frames land straight in the cache.
-    return WorkerSide(config, ClusterClient(cluster.etcd, cluster=cluster.cluster, read_threads=False), CHUNK, BLOCK)
+    return WorkerSide(config, ClusterClient(cluster.etcd, cluster=cluster.cluster), CHUNK, BLOCK)
 
 
 def _slots(block_ids: list[int], n: int) -> np.ndarray:
