@@ -204,9 +204,7 @@ class ClusterClient:
         ``Landing``: views into a KV cache's blocks): its bytes are then received straight into
         it and checked there, and the batch holds a ``Landed`` for it instead of a view.  A
         layer that fails its checksum has been written all the same: it is not delivered, and
-        the caller must treat its place as not loaded unless a replica's delivery follows.
-        Places are used in rounds read on the calling thread (``read_threads`` off, or one node
-        asked); where reader threads read a round, its layers come as views, to be copied."""
+        the caller must treat its place as not loaded unless a replica's delivery follows."""
         yield from self.reads.stream(list(keys), layers, found, stream=True, meter=meter, place=place)
 
     # ---- writes ---------------------------------------------------------------------------------

@@ -12,10 +12,9 @@ failover, what is delivered); the readers only move bytes and hash them, and han
 over through a bounded queue (a caller that falls behind stops the readers, and TCP stops the
 nodes).  A caller that stops iterating stops the readers at their next reply.  The threads cost
 CPU of their own (hand-overs, the GIL passing between them, bytes decrypted on one core and
-copied on another), which pays off only where cores are idle: ``readers_pay_off``.  Layers
-are received straight into the caller's places (``place``) only in rounds read on the
-caller's thread: with reader threads every receive into a place would contend for the place's
-guard and the interpreter across them, and the readers with the caller's copies move more.
+copied on another), which pays off only where cores are idle: ``readers_pay_off``; and not for
+a caller that has the layers received straight into their places (``place``: no copy left to
+take off its thread), whose rounds stay on its thread.
 
 Routing: each key goes to its first live owner on the ring (``replication`` distinct nodes,
 primary first), one request per node, all nodes in parallel.  A key that owner does not hold
@@ -311,14 +310,12 @@ class Reads:
                 for r in batch:
                     r.tried.add(node_id)
         clock = meter.clock  # when each reply arrived, on the meter's clock
-        # Where reader threads pay off, they read and the caller copies; elsewhere the caller reads,
-        # and layers with places are received straight into them.  ``kvring bench reads``, 8k
-        # tokens over TLS on 16 cores: 1.39 GB/s with a reader per node and copies, 1.10 received
-        # on the caller's thread, 0.66 received by the readers (the guard and the interpreter
-        # contended); on 2 cores, without readers, 0.87 received against 0.82 copied.
-        parallel = self.parallel and len(requests) > 1
-        land = self._lander(asked, place) if place is not None and stream and not parallel else None
-        arrivals = self._parallel(requests, clock) if parallel else self._serial(requests, clock, land)
+        land = self._lander(asked, place) if place is not None and stream else None
+        # Layers received into their places are read on the caller's thread: reader threads then
+        # cost more than they give (``kvring bench reads`` on 16 cores: 0.66 GB/s with a reader
+        # per node, 0.98 on the caller's thread, whose copies they used to take off it).
+        arrivals = (self._parallel(requests, clock) if self.parallel and len(requests) > 1 and land is None
+                    else self._serial(requests, clock, land))
         try:
             for arrived in arrivals:
                 event = arrived.event

@@ -10,8 +10,8 @@ layer received straight into its blocks where the connector's ``HostCopies.place
 places (``landing.py``), else copied there from its buffer (``HostCopies.load``).  Three ways:
 every node read on the caller's thread, each layer received into the cache (what a load does);
 the same with each layer copied from a buffer (what every load did before); and a reader thread
-per node (``read_threads=True``), the copies on the caller's thread meanwhile (what a load does
-where there are cores for readers: a round they read uses no places).  Two baselines (``plain_tcp.py``): the bare TLS loop from one server holding every
+per node (``read_threads=True``), the copies on the caller's thread meanwhile (what loads did
+where there were cores for it; a round whose layers have places does not use readers).  Two baselines (``plain_tcp.py``): the bare TLS loop from one server holding every
 chunk, and from as many servers as the cluster has nodes, each holding every third chunk and
 read by a thread of its own.  Every repetition runs all four, their order rotating; after each
 kvring round (untimed) every byte of the cache is compared with what was stored.

@@ -1,7 +1,6 @@
 """Streamed layers received straight into their places (``iter_layers(place=...)``, ``landing.py``):
-real etcd, real TLS and plain node processes over loopback, the real cluster client reading
-every node on the caller's thread (with reader threads, a round reads and the caller copies:
-its places are not used, last test).
+real etcd, real TLS node processes over loopback, the real cluster client, with reader threads
+off and on (a round whose layers have places stays on the caller's thread either way).
 
 What must hold: every placed byte is the stored byte when its layer is delivered, nothing outside
 the places is written, a layer that fails its checksum is never delivered (the replica's bytes
@@ -37,9 +36,9 @@ def cluster(etcd_server, request):
         yield cluster
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls, read_threads=False,
+@pytest.fixture(scope="module", params=[False, True], ids=["read-threads-off", "read-threads-on"])
+def client(cluster, request):
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls, read_threads=request.param,
                        timeout=3.0) as client:
         assert client.wait_for_nodes(3)
         yield client
@@ -111,8 +110,9 @@ def _deliveries(client: ClusterClient, keys: list[bytes], cache: _Cache, data: d
     return got
 
 
-def _recorded_readers(client: ClusterClient, monkeypatch) -> list[str]:
-    """The nodes a reader thread read, from now on."""
+def test_layers_land_in_their_places_and_the_others_come_as_views(client, stored, monkeypatch):
+    keys = list(stored)
+    cache = _Cache(len(keys))
     readers: list[str] = []
     original = type(client.reads)._read_node
 
@@ -121,34 +121,13 @@ def _recorded_readers(client: ClusterClient, monkeypatch) -> list[str]:
         return original(self, node_id, *args)
 
     monkeypatch.setattr(type(client.reads), "_read_node", recorded)
-    return readers
-
-
-def test_layers_land_in_their_places_and_the_others_come_as_views(client, stored, monkeypatch):
-    keys = list(stored)
-    cache = _Cache(len(keys))
-    readers = _recorded_readers(client, monkeypatch)
     got = _deliveries(client, keys, cache, stored)
-    assert not readers  # read on this thread
+    assert not readers  # the round stayed on this thread, read threads or not
     assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
     assert all(d == ["landed" if i % 2 == 0 else "view"] for (i, _), d in got.items())
     assert not cache.memory[~cache.placed_mask()].any()  # the dropped bytes and the gaps: never written
     assert sorted({(p, layer) for p, layer, _ in cache.asked}) == sorted(got)  # asked once per layer
 
-
-def test_with_reader_threads_a_round_is_read_by_them_and_every_layer_comes_as_a_view(cluster, stored, monkeypatch):
-    """Where reader threads read a round (cores to spare), the readers read and the caller copies:
-    no place is asked for and every layer, the placed ones' included, comes as a view."""
-    with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls, read_threads=True) as each:
-        assert each.wait_for_nodes(3)
-        keys = list(stored)
-        cache = _Cache(len(keys))
-        readers = _recorded_readers(each, monkeypatch)
-        got = _deliveries(each, keys, cache, stored)
-    assert sorted(set(readers)) == sorted(n.node_id for n in cluster.nodes)
-    assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
-    assert all(d == ["view"] for d in got.values()) and not cache.asked
-    assert not cache.memory.any()
 
 def test_a_corrupt_layer_that_landed_is_never_delivered_and_the_replicas_bytes_land_over_it(cluster, client, stored):
     keys = list(stored)
