@@ -49,6 +49,7 @@ from kvring.local.rundir import run_directory
 
 MODES = ("layerwise", "bulk", "async")
 NODES = 3  # cache nodes in the bench's cluster
+REPETITIONS = 5  # loads of each prompt per load mode, by default
 
 
 def _prompts(sizes: Sequence[int], seed: int = 7) -> list[list[int]]:
@@ -105,7 +106,7 @@ def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict], 
 
 def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hidden: int = 1024,
                   intermediate: int = 11008, memory: int = 2 << 30, json_out: Path | None = None, plot: Path | None = None,
-                  tls: bool = True, dtype: str = "bfloat16", repetitions: int = 5) -> dict:
+                  tls: bool = True, dtype: str = "bfloat16", repetitions: int = REPETITIONS) -> dict:
     """Time to first token loaded vs recomputed (see the README); ``tls``: the data plane as
     `kvring up` runs it (mutual TLS), or plain TCP; ``dtype``: the model's and its KV cache's;
     ``repetitions``: loads of each prompt per load mode (a load is a fraction of a second, and

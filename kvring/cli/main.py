@@ -513,7 +513,7 @@ def bench_e2e(
 ) -> None:
     """Time to first token with real vLLM: loaded from a 3-node cluster (layerwise, bulk, async) vs recomputed;
     with --tp N, TP N and TP 1 instances loading what TP N stored."""
-    from kvring.bench.e2e import run_bench_e2e
+    from kvring.bench.e2e import REPETITIONS, run_bench_e2e
     from kvring.bench.e2e_tp import KV_HEADS, run_bench_e2e_tp
     from kvring.engine.run import native_dtype
 
@@ -535,7 +535,7 @@ def bench_e2e(
         typer.echo("warning: this CPU has no native bfloat16 (AVX-512 BF16 or AMX): a recompute runs about 100x "
                    "slower than in float32 and may outlast vLLM's step timeout", err=True)
     run_bench_e2e(sizes, layers=layers, hidden=hidden, intermediate=intermediate, memory=_size(memory, "--memory"),
-                  json_out=json_out, plot=plot, tls=tls, dtype=chosen, repetitions=repetitions or 5)
+                  json_out=json_out, plot=plot, tls=tls, dtype=chosen, repetitions=repetitions or REPETITIONS)
 
 
 @bench_app.command("shapes")
