@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 FINALIZER = "kvring.io/cleanup"
 ANNOTATION_PREFIX = "kvring.io"
+STOP_WAIT_SECONDS = 2.0  # how long the operator's stop waits for a status pass to unwind
 
 
 def parse(name: str, spec: Mapping[str, Any]) -> ClusterSpec:
@@ -94,6 +95,9 @@ class CacheClusterHandlers:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+        # A status pass in flight when the operator stops unwinds on cancellation (``observe``):
+        # wait that long for it rather than kopf's default of ten loop turns.
+        settings.background.instant_exit_timeout = STOP_WAIT_SECONDS
         self.kube = await KubeClient.connect()
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.stats_timeout))
 
@@ -256,7 +260,31 @@ class CacheClusterHandlers:
 
     async def observe(self, name: str, namespace: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
                       status: Mapping[str, Any], body: kopf.Body, patch: kopf.Patch,
-                      logger: logging.Logger, **_: Any) -> None:
+                      logger: logging.Logger, stopped: kopf.DaemonStopped, **_: Any) -> None:
+        """One status pass, dropped if the operator stops before it ends.
+
+        kopf never cancels a timer: one still running when the operator stops (a pass waiting
+        on an unreachable etcd or node) is left orphaned, outlives ``shutdown`` and may write
+        status afterwards over a client kopf has already closed.  So the pass runs beside the
+        stop flag; a stop cancels it and clears ``patch``, and nothing of it is written."""
+        work = asyncio.ensure_future(self._observe(name, namespace, spec, meta, status, body, patch, logger))
+        stop = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.wait((work,))
+        if work.cancelled():
+            patch.clear()
+            logger.info("the operator is stopping: this status pass is dropped, nothing of it written")
+            return
+        work.result()
+
+    async def _observe(self, name: str, namespace: str, spec: Mapping[str, Any], meta: Mapping[str, Any],
+                       status: Mapping[str, Any], body: kopf.Body, patch: kopf.Patch,
+                       logger: logging.Logger) -> None:
         generation = int(meta.get("generation") or 0)
         try:
             cs = parse(name, spec)

@@ -26,6 +26,9 @@ Not emulated, and tests that need them create the effect themselves and say so: 
 garbage collection, label/field selectors, schema validation and defaults, server-side apply,
 the StatefulSet controller (nothing sets a StatefulSet's ``status`` but the test).
 
+Tests can also hold requests (``Hold``): a matching request waits unanswered until the test
+releases it, as a hung API server would, so a test can stop the operator while a call is in flight.
+
 ``EmulatorThread`` runs the emulator on a loopback port in a thread of its own (kopf's
 ``KopfRunner`` runs the operator in another), writes a kubeconfig for it, and gives tests a small
 synchronous JSON client, ``KubeAPI``.
@@ -45,7 +48,7 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +98,39 @@ def _essence(obj: dict) -> dict:
     return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
 
 
+@attrs.define
+class Hold:
+    """Requests for which ``match(method, path)`` holds wait unanswered until ``release()``;
+    ``caught`` is set once the first one arrives.  Set from the test's thread, waited on in
+    the emulator's."""
+
+    match: Callable[[str, str], bool]
+    caught: threading.Event = attrs.field(factory=threading.Event, init=False)
+    _released: threading.Event = attrs.field(factory=threading.Event, init=False)
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def wait(self) -> None:
+        self.caught.set()
+        while not self._released.is_set():
+            await asyncio.sleep(0.02)
+
+
 @attrs.define(kw_only=True)
 class KopfEmulator(kmock.KubernetesEmulator):
     """kmock's emulator with the fixes kopf needs (see the module docstring)."""
 
     _revision: int = attrs.field(default=0, init=False)
     _journal: dict = attrs.field(factory=lambda: collections.defaultdict(list), init=False)
+    holds: list[Hold] = attrs.field(factory=list, init=False)
 
     # ---- writes ------------------------------------------------------------------------------
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        for hold in list(self.holds):
+            if hold.match(request.method.value, request.url.path):
+                await hold.wait()
         writes = request.action == _CREATE or (request.action in (_UPDATE, _DELETE) and request.name)
         if request.resource is None or not writes:
             # Reads, discovery and anything else: kmock's own dispatch, minus its write logic.
@@ -414,6 +440,12 @@ class EmulatorThread:
     @property
     def api(self) -> KubeAPI:
         return KubeAPI(self.url)
+
+    def hold(self, match: Callable[[str, str], bool]) -> Hold:
+        """From now on, hold the requests ``match(method, path)`` picks (see ``Hold``)."""
+        hold = Hold(match)
+        self.emulator.holds.append(hold)
+        return hold
 
     def kubeconfig(self) -> Path:
         """A kubeconfig file pointing at this emulator (plain HTTP on loopback, a dummy token)."""
