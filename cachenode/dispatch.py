@@ -36,6 +36,8 @@ from .store import Entry, StoreFull
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_CHARS = 300  # an error message echoed to a client or a log
+# What ``POST /debug/misnumber-on-get`` can make a node's next streamed GET do (``_misnumbered``).
+MISNUMBERINGS = ("swap", "repeat", "negative", "extra")
 
 
 def _short(text: str) -> str:
@@ -92,6 +94,9 @@ class Dispatcher:
         # Fault injection (POST /debug/signal-on-get): a signal this process sends itself when the
         # next GET arrives, before answering it.  None: off (always, without --fault-injection).
         self.signal_on_get: int | None = None
+        # Fault injection (POST /debug/misnumber-on-get): the next streamed GET's layers numbered
+        # as a node with a numbering bug would (``MISNUMBERINGS``).  None: off, as above.
+        self.misnumber_on_get: str | None = None
         self._handlers = {
             P.Ping: self._ping, P.Lookup: self._lookup, P.Get: self._get, P.Put: self._put,
             P.Delete: self._delete, P.Stats: self._stats, P.ListKeys: self._keys, P.Flush: self._flush,
@@ -210,8 +215,11 @@ class Dispatcher:
                                     f"chunks' {short} layers", ErrorCode.BAD_RANGE)
         self._reply(conn, P.GetHead(rid=req.rid, metas=[e.meta if e else None for e in entries]))
         if found:
-            layers = _span_message if not req.stream else _layer_messages
-            self.server.stream(conn, self._counted(layers(req, found, end)))
+            messages = _layer_messages(req, found, end) if req.stream else _span_message(req, found, end)
+            if req.stream and self.misnumber_on_get is not None:
+                how, self.misnumber_on_get = self.misnumber_on_get, None
+                messages = _misnumbered(messages, how)
+            self.server.stream(conn, self._counted(messages))
 
     def _counted(self, messages: Iterator[tuple[bytes, list]]) -> Iterator[list]:
         for header, views in messages:
@@ -285,3 +293,29 @@ def _layer_messages(req: P.Get, found: list, end: int) -> Iterator[tuple[bytes, 
                 checksums.append(meta.checksums[layer])
         yield P.encode(P.GetLayer(rid=req.rid, layer=layer, which=which, checksums=checksums,
                                   last=layer == end - 1)), views
+
+
+def _misnumbered(messages: Iterator[tuple[bytes, list]], how: str) -> Iterator[tuple[bytes, list]]:
+    """Fault injection: a streamed GET's layer messages as a node with a numbering bug would send
+    them, every frame's bytes matching the checksums sent with it, only the numbers wrong.
+    ``swap``: the first two layers each numbered as the other; ``repeat``: the first layer sent
+    twice; ``negative``: the first layer numbered -1; ``extra``: after the last layer, a layer
+    numbered as the first, of zeros, with the zeros' checksums."""
+    msgs = [(P.decode_reply(header), views) for header, views in messages]
+    first, views = msgs[0]
+    if how == "swap" and len(msgs) > 1:
+        second, second_views = msgs[1]
+        msgs[:2] = [(msgspec.structs.replace(first, layer=second.layer), views),
+                    (msgspec.structs.replace(second, layer=first.layer), second_views)]
+    elif how == "repeat":
+        msgs.insert(0, (msgspec.structs.replace(first, last=False), views))
+    elif how == "negative":
+        msgs[0] = (msgspec.structs.replace(first, layer=-1), views)
+    elif how == "extra":
+        last, last_views = msgs[-1]
+        zeros = [memoryview(bytes(v.nbytes)) for v in views]
+        msgs[-1] = (msgspec.structs.replace(last, last=False), last_views)
+        msgs.append((msgspec.structs.replace(first, last=True, checksums=[xxhash.xxh3_64_intdigest(z) for z in zeros]),
+                     zeros))
+    for msg, frames in msgs:
+        yield P.encode(msg), frames

@@ -25,7 +25,10 @@ loopback included; see "Node token" below):
   conditions): every operation of the disk tier waits that long, as on a hung device;
   ``POST /debug/signal-on-get?signal=SIGSTOP|SIGKILL``
   (same conditions): the node sends itself that signal when the next GET arrives, before
-  answering it, so a test can hang or kill it in the middle of a load.
+  answering it, so a test can hang or kill it in the middle of a load;
+  ``POST /debug/misnumber-on-get?how=swap|repeat|negative|extra`` (same conditions): the next
+  streamed GET's layers go out numbered wrongly, each frame matching the checksums sent with it
+  (``dispatch.MISNUMBERINGS``), as from a node with a numbering bug.
 
 Node token: one per cluster, an internal service credential that only the nodes, their preStop
 hook, the admin API and local tools hold (not the admin API's user-facing token).  A node reads
@@ -53,6 +56,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvring.common import protocol as P
+
+from .dispatch import MISNUMBERINGS
 
 if TYPE_CHECKING:
     from .node import CacheNode
@@ -117,6 +122,8 @@ def _handler_class(node: CacheNode):
                     self._json(202, self._disk_stall())
                 elif path == "/debug/signal-on-get":
                     self._json(202, self._signal_on_get())
+                elif path == "/debug/misnumber-on-get":
+                    self._json(202, self._misnumber_on_get())
                 elif self._drain_allowed(path):
                     if node.drain.keep_for_restart():  # marked restarting by the operator: keep the chunks
                         self._json(200, node.drain.restart_status())
@@ -209,6 +216,14 @@ def _handler_class(node: CacheNode):
                 raise _BadRequest(400, "give ?signal=SIGSTOP or ?signal=SIGKILL")
             node.server.call(lambda: setattr(node.dispatcher, "signal_on_get", getattr(signal, name)))
             return {"armed": name}
+
+        def _misnumber_on_get(self) -> dict:
+            """Arm the data loop to number the layers of the next streamed GET wrongly."""
+            how = self._fault_injection().get("how", "")
+            if how not in MISNUMBERINGS:
+                raise _BadRequest(400, f"give ?how= one of {', '.join(MISNUMBERINGS)}")
+            node.server.call(lambda: setattr(node.dispatcher, "misnumber_on_get", how))
+            return {"armed": how}
 
         def _corrupt(self) -> dict:
             """Flip one byte of a stored chunk's first layer, leaving its checksums as they were."""

@@ -103,6 +103,7 @@ class KeyRead:
     positions: list[int]  # where the caller listed it (a key listed twice is read once)
     meta: ChunkMeta | None = None
     want: int = 0
+    next_layer: int = 0  # the number its next layer must carry: a node streams them in order
     done: bool = False
     missing: bool = False  # an owner answered "not stored"
     tried: set[str] = field(default_factory=set)
@@ -310,7 +311,7 @@ class Reads:
                 for r in batch:
                     r.tried.add(node_id)
         clock = meter.clock  # when each reply arrived, on the meter's clock
-        land = self._lander(asked, place) if place is not None and stream else None
+        land = self._lander(asked, place, start) if place is not None and stream else None
         # Layers received into their places are read on the caller's thread: reader threads then
         # cost more than they give (``kvring bench reads`` on 16 cores: 0.66 GB/s with a reader
         # per node, 0.98 on the caller's thread, whose copies they used to take off it).
@@ -350,11 +351,15 @@ class Reads:
         finally:
             arrivals.close()
 
-    def _lander(self, asked: dict[int, tuple[str, list[KeyRead]]], place: Place) -> Callable:
+    def _lander(self, asked: dict[int, tuple[str, list[KeyRead]]], place: Place, start: int) -> Callable:
         """The readers' ``land`` callback for a round: a streamed layer's payload of a key the
         caller listed once goes where ``place(position, layer, size)`` says, if anywhere, with a
-        hasher for its checksum."""
+        hasher for its checksum.  Only the layer due next for its key gets a place (its frames may
+        arrive before the caller has checked the previous layer, so the count is kept here): a
+        layer numbered out of turn goes to a buffer and is refused there, never written over
+        another layer's place."""
         last: list = [None, None]  # the header decoded last (a message's payloads share it)
+        due: dict[tuple[int, int], int] = {}  # (rid, position in its request) -> the next layer
 
         def land(header: bytearray, index: int, size: int) -> Landing | None:
             if header is not last[0]:
@@ -369,6 +374,9 @@ class Reads:
             pos = msg.which[index]
             if not 0 <= pos < len(batch) or len(batch[pos].positions) != 1:
                 return None
+            if msg.layer != due.get((msg.rid, pos), start):
+                return None
+            due[msg.rid, pos] = msg.layer + 1
             landing = place(batch[pos].positions[0], msg.layer, size)
             if landing is not None:
                 landing.hasher = xxhash.xxh3_64() if self.verify else None
@@ -460,35 +468,43 @@ class Reads:
                 r.missing = True
             else:
                 r.want = (meta.layers if end == -1 else end) - start
+                r.next_layer = start
 
     def _check_layer(self, node_id: str, batch: list[KeyRead], msg: P.GetLayer, payloads: list,
                      found: list, digests: list[list[int] | None] | None = None
                      ) -> list[tuple[KeyRead, memoryview | Landed]]:
-        """The payloads of ``msg`` that are whole layers of their keys and match their checksums
-        (``digests``: computed already, by the node's reader)."""
+        """The payloads of ``msg`` that are whole layers of their keys, numbered as the next ones
+        due, and match the checksums the key's head gave (``digests``: computed already, by the
+        node's reader).  Those are the writer's, one per layer, so a layer's bytes are checked
+        against its number too: a layer numbered as another one never passes for it."""
         good = []
-        sums = iter(msg.checksums)
         for k, (pos, payload) in enumerate(zip(msg.which, payloads)):
             if not 0 <= pos < len(batch):
                 continue
             r = batch[pos]
             meta = r.meta
             n = r.want if msg.span else 1
-            lb = meta.layer_bytes if meta is not None else 0
-            expected = [next(sums, None) for _ in range(n)]
             if isinstance(payload, Landed) and not payload.complete:  # the caller took its place back
                 self._forget(r, found)
                 continue
+            if meta is None or r.want < 1 or msg.layer != r.next_layer:  # repeated, skipped, past the end
+                if meta is not None:
+                    logger.warning("%s sent a layer numbered %d where %s was due; its chunk is read elsewhere",
+                                   node_id, msg.layer, r.next_layer if r.want >= 1 else "none")
+                self._forget(r, found)
+                continue
+            lb = meta.layer_bytes
             buf = payload if isinstance(payload, Landed) else memoryview(payload)
-            if meta is None or buf.nbytes != n * lb or (self.verify and (
-                    _digests_of(buf, lb) if digests is None else digests[k]) != expected):
+            if buf.nbytes != n * lb or (self.verify and (_digests_of(buf, lb) if digests is None else digests[k])
+                                        != meta.checksums[msg.layer:msg.layer + n]):
                 logger.warning("bad or corrupt layer %d of a chunk from %s", msg.layer, node_id)
-                if meta is not None and buf.nbytes == n * lb:  # bytes that fail their checksum
+                if buf.nbytes == n * lb:  # bytes that fail their checksum
                     self._drop_corrupt(node_id, r.key)
                 self._forget(r, found)
                 continue
             good.append((r, buf))
             r.want -= n
+            r.next_layer += n
         return good
 
     def _drop_corrupt(self, node_id: str, key: bytes) -> None:

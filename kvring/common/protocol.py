@@ -150,7 +150,9 @@ class GetHead(_Msg, tag="get_head"):
 
 class GetLayer(_Msg, tag="get_layer"):
     """One layer of the found keys that have it: positions ``which`` in the request's key list,
-    one frame each, with those layers' checksums."""
+    one frame each, with those layers' checksums.  A streamed GET's layers come in order from
+    ``layer_start``; the client checks each frame against its number's checksum in the key's
+    ``GetHead`` metadata (the writer's), so a layer numbered out of turn is refused."""
 
     layer: int
     which: list[int]

@@ -18,6 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.dispatch import MISNUMBERINGS
 from kvring.cachenode.landing import Landed, Landing
 
 from kvring.common.chunk import ChunkItem
@@ -133,11 +134,7 @@ def test_a_corrupt_layer_that_landed_is_never_delivered_and_the_replicas_bytes_l
     keys = list(stored)
     victim = keys[4]  # an even position: placed
     owner = client.owners(victim)[0]
-    node = next(n for n in cluster.nodes if n.node_id == owner)
-    req = urllib.request.Request(f"{node.admin_addr}/debug/corrupt?key={victim.hex()}", method="POST",
-                                 headers=cluster.node_auth)
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        assert resp.status == 200
+    _fault(cluster, owner, f"corrupt?key={victim.hex()}")
     dropped = client.reads.corrupt_dropped
     cache = _Cache(len(keys))
     found: list = [None] * len(keys)
@@ -147,6 +144,44 @@ def test_a_corrupt_layer_that_landed_is_never_delivered_and_the_replicas_bytes_l
     assert all(cache.holds(4, layer, stored[victim]) for layer in range(LAYERS))
     assert len([p for p, _, _ in cache.asked if p == 4]) > LAYERS  # read again from the replica, into the same places
     assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
+
+
+@pytest.mark.parametrize("how", MISNUMBERINGS)
+def test_a_layer_numbered_out_of_turn_is_never_delivered_as_another(cluster, client, stored, how, caplog):
+    """A node with a numbering bug (``/debug/misnumber-on-get``): every frame matches the
+    checksums sent with it, only its layer number is wrong -- the first two layers each numbered
+    as the other, the first sent twice, the first numbered -1, or a layer of zeros after the last
+    numbered as the first.  No layer is delivered as one it is not; every key ends whole, the
+    misnumbering node's from their replicas, into the same places; nothing outside them written."""
+    keys = list(stored)
+    owner = client.owners(keys[0])[0]
+    _fault(cluster, owner, f"misnumber-on-get?how={how}")
+    cache = _Cache(len(keys))
+    found: list = [None] * len(keys)
+    got = _deliveries(client, keys, cache, stored, found)  # each delivery checked as it came
+    assert all(m is not None for m in found)
+    assert set(got) == {(i, layer) for i in range(len(keys)) for layer in range(LAYERS)}
+    assert all(cache.holds(i, layer, stored[keys[i]]) for i in range(0, len(keys), 2) for layer in range(LAYERS))
+    assert not cache.memory[~cache.placed_mask()].any()
+    # The layer out of turn was seen and refused (then its key read from the replica).
+    assert any("sent a layer numbered" in r.getMessage() and owner in r.getMessage() for r in caplog.records)
+    # Again without places: every layer a view (read by reader threads where they are on).
+    caplog.clear()
+    _fault(cluster, owner, f"misnumber-on-get?how={how}")
+    found = [None] * len(keys)
+    for batch in client.iter_layers(keys, found=found):
+        for i, view in zip(batch.indices, batch.views):
+            assert bytes(view) == stored[keys[i]][batch.layer * LAYER_BYTES:][:LAYER_BYTES].tobytes()
+    assert all(m is not None for m in found)
+    assert any("sent a layer numbered" in r.getMessage() and owner in r.getMessage() for r in caplog.records)
+
+
+def _fault(cluster, node_id: str, what: str) -> None:
+    """``POST /debug/<what>`` on node ``node_id`` (its fault injection)."""
+    node = next(n for n in cluster.nodes if n.node_id == node_id)
+    req = urllib.request.Request(f"{node.admin_addr}/debug/{what}", method="POST", headers=cluster.node_auth)
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status in (200, 202)
 
 
 def test_a_place_taken_back_gets_no_byte_after_and_its_keys_are_not_found(client, stored):
