@@ -356,10 +356,11 @@ class Reads:
         caller listed once goes where ``place(position, layer, size)`` says, if anywhere, with a
         hasher for its checksum.  Only the layer due next for its key gets a place (its frames may
         arrive before the caller has checked the previous layer, so the count is kept here): a
-        layer numbered out of turn goes to a buffer and is refused there, never written over
-        another layer's place."""
+        layer numbered out of turn goes to a buffer and is refused there, and so does every later
+        frame of its key from that node, so none is written over another layer's place."""
         last: list = [None, None]  # the header decoded last (a message's payloads share it)
-        due: dict[tuple[int, int], int] = {}  # (rid, position in its request) -> the next layer
+        # (rid, position in its request) -> the layer due next; None once one came out of turn.
+        due: dict[tuple[int, int], int | None] = {}
 
         def land(header: bytearray, index: int, size: int) -> Landing | None:
             if header is not last[0]:
@@ -375,6 +376,7 @@ class Reads:
             if not 0 <= pos < len(batch) or len(batch[pos].positions) != 1:
                 return None
             if msg.layer != due.get((msg.rid, pos), start):
+                due[msg.rid, pos] = None
                 return None
             due[msg.rid, pos] = msg.layer + 1
             landing = place(batch[pos].positions[0], msg.layer, size)
