@@ -203,7 +203,10 @@ def node(
     fault_injection: Annotated[bool, typer.Option(
         "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte, "
                                   "POST /debug/stall?seconds=S blocks the data loop, "
-                                  "POST /debug/disk-stall?seconds=S stalls the disk tier.",
+                                  "POST /debug/disk-stall?seconds=S stalls the disk tier, "
+                                  "POST /debug/signal-on-get?signal=SIGSTOP|SIGKILL signals the node at its next GET, "
+                                  "POST /debug/misnumber-on-get?how=swap|repeat|negative|extra misnumbers the next "
+                                  "streamed GET's layers.",
         hidden=True)] = False,
     chunk_size: Annotated[int, typer.Option(help="Contract: tokens per chunk.", min=1)] = 256,
     vnodes: Annotated[int, typer.Option(help="Contract: virtual nodes per node (at mean capacity).", min=1)] = 1024,
