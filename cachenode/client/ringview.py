@@ -186,7 +186,10 @@ class Membership:
         self.conflict = conflict
 
     async def _follow(self) -> None:
-        """Watch the cluster; after a break, or every ``resync_interval``, read it whole again."""
+        """Watch the cluster; after a break, or every ``resync_interval``, read it whole again --
+        and watch again only from a read that succeeded, so a watch never runs while ``etcd_ok``
+        says etcd is lost (a watch opened just as etcd came back would otherwise wait for the
+        next change with the flag still down)."""
         pause = 0.25
         while True:
             try:
@@ -203,12 +206,16 @@ class Membership:
                 self.etcd_ok = False
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 5.0)
-            try:
-                await self._resync()
-                self.resyncs += 1
-            except MembershipError as exc:
-                logger.debug("etcd resync failed: %s", exc)
-                self.etcd_ok = False
+            while True:
+                try:
+                    await self._resync()
+                    self.resyncs += 1
+                    break
+                except MembershipError as exc:
+                    logger.debug("etcd resync failed: %s", exc)
+                    self.etcd_ok = False
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, 5.0)
 
     async def _resync(self) -> None:
         """Read the whole cluster (contract and members) and publish what changed."""

@@ -7,6 +7,10 @@ node's data port answering PING under that id): this node refuses to start (``No
 record is taken over, again in a transaction that fails if the record changed meanwhile.  While
 running, every lease refresh also checks the record: one deleted behind the node's back is
 written again; one that another node took over stops this node (``NodeIdTaken``).
+
+State changes (a drain and its withdrawal, the self-check's verdicts) may come while an earlier
+one is being written: each bumps ``_changes``, and a write counts for the changes made before it
+was sent, never for one that came while it was in flight -- that one is written next turn.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from kvring.common.errors import ContractMismatch, MembershipError, NodeIdTaken
 from kvring.common.records import NodeRecord
 from kvring.common.types import NodeState
 
-from .etcd import Etcd
+from .etcd import Etcd, Holder
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,8 @@ class Registrar:
         self.registered = asyncio.Event()
         self.registrations = 0
         self._lease = None
-        self._dirty = True
+        self._changes = 1  # state changes so far (the first: the record itself)
+        self._written = 0  # how many of them the record in etcd holds
         self._wake = asyncio.Event()
 
     @property
@@ -57,7 +62,7 @@ class Registrar:
     def set_state(self, state: NodeState) -> None:
         """Change the recorded state; the record is rewritten at once, not at the next refresh."""
         self.record = msgspec.structs.replace(self.record, state=NodeState(state))
-        self._dirty = True
+        self._changes += 1
         self._wake.set()
 
     async def register_once(self) -> None:
@@ -71,7 +76,6 @@ class Registrar:
             await self._revoke(lease)
             raise
         self._lease = lease
-        self._dirty = False
         self.registrations += 1
         self.registered.set()
 
@@ -79,7 +83,7 @@ class Registrar:
         node_id = self.record.node_id
         replacing = None
         for _ in range(CLAIM_ATTEMPTS):
-            holder = await self.etcd.claim_node(self.record, lease_id, replacing)
+            holder = await self._write(lease_id, replacing)
             if holder is None:
                 return
             # A record with this node's own address is a previous run's: this process holds the port now.
@@ -98,18 +102,26 @@ class Registrar:
         """The record must still be this node's: written again if it was deleted, rewritten if
         its state changed; ``NodeIdTaken`` if another node holds it now."""
         lease_id = self._lease.id
-        holder = await self.etcd.claim_node(self.record, lease_id)  # writes it only if it is gone
+        holder = await self._write(lease_id)  # writes it only if it is gone
         if holder is None:
             logger.warning("node %s: its record was deleted from etcd; registered again", self.record.node_id)
             self.registrations += 1
-            self._dirty = False
             return
         if holder.lease == lease_id:
-            if self._dirty and await self.etcd.claim_node(self.record, lease_id, replacing=holder) is None:
-                self._dirty = False  # (else it changed in between: rewritten next turn)
+            if self._written < self._changes:
+                await self._write(lease_id, replacing=holder)  # (if it changed in between: next turn)
             return
         where = holder.record.data_addr if holder.record is not None else "an unreadable record"
         raise NodeIdTaken(f"node id {self.record.node_id!r} was taken over by the node at {where}; this node stops")
+
+    async def _write(self, lease_id: int, replacing: Holder | None = None) -> Holder | None:
+        """``Etcd.claim_node`` of the record as it is now; once written, the changes made before
+        the write count as written (not one made while it was in flight)."""
+        changes = self._changes
+        holder = await self.etcd.claim_node(self.record, lease_id, replacing)
+        if holder is None:
+            self._written = changes
+        return holder
 
     async def run(self) -> None:
         """Refresh the lease forever; on any etcd failure, retry and register anew."""

@@ -60,6 +60,36 @@ def test_a_client_follows_the_cluster_across_an_etcd_restart():
         etcd.close()
 
 
+def test_a_client_whose_first_read_after_an_etcd_restart_fails_reads_again_before_it_watches(monkeypatch):
+    """etcd back, and the answer to the client's first read of it lost: the client must read
+    again, not open its watch and wait there for a change with ``etcd_ok`` still down -- which it
+    did when etcd came back between a failed read and the watch (seen once in CI, as the restart
+    test above timing out)."""
+    etcd = LocalEtcd().start()
+    try:
+        with LocalCluster(nodes=1, etcd=etcd.endpoint, cluster="read-again", lease_ttl=3, memory=64 << 20), \
+                ClusterClient(etcd.endpoint, cluster="read-again", resync_interval=3600, timeout=2) as client:
+            assert client.wait_for_nodes(1)
+            failed = []
+            snapshot = client.membership._etcd.snapshot
+
+            async def first_answer_after_the_restart_lost():
+                got = await snapshot()  # raises while etcd is down
+                if not failed:
+                    failed.append(got.revision)
+                    raise MembershipError("etcd request failed: injected (the first answer after the restart lost)")
+                return got
+
+            etcd.stop()
+            wait_for(lambda: not client.etcd_ok, 10, "the client to notice etcd is gone")
+            monkeypatch.setattr(client.membership._etcd, "snapshot", first_answer_after_the_restart_lost)
+            etcd.start()
+            wait_for(lambda: client.etcd_ok, 10, "the client back on etcd")
+            assert len(failed) == 1
+    finally:
+        etcd.close()
+
+
 def test_a_watch_from_a_compacted_revision_ends_with_a_clear_error(etcd_server):
     """The client's answer to it (read the cluster again, watch from there) is what it does after
     any broken watch; here the error itself, with a real compaction."""
