@@ -15,8 +15,9 @@ import pytest
 
 from kvring.cachenode.client import ClusterClient
 from kvring.connector.keys import request_keys
-from kvring.engine.run import layout_of, run_instance, write_tiny_llama
+from kvring.engine.run import layout_of, start_instance, write_tiny_llama
 from kvring.local.cluster import LocalCluster
+from placement import wait_saved
 
 CHUNK = 256
 DEADLINE_MS = 500.0
@@ -53,17 +54,28 @@ def test_a_hung_node_delays_only_the_requests_it_owns(etcd_server, model, mode, 
             layout = layout_of({"model": model}, client.contract.chunk_size)
             hung = _prompt(layout, client, rng, victim.node_id, owned=True)
             free, free2 = (_prompt(layout, client, rng, victim.node_id, owned=False) for _ in range(2))
-        # vLLM's own processes (not the suite's one-process engines): this test times requests, and
-        # compares a batch's greedy tokens with a single prompt's, which holds with the worker's
-        # one bound OpenMP thread; in one process the thread count is left to torch.
-        out = run_instance(tmp_path, mode, {"model": model, "connector": conn, "in_process": False, "prompts": [
-            {"tokens": rng.integers(10, 2000, size=300).tolist()},  # warm-up
-            {"batch": [{"tokens": hung}, {"tokens": free}, {"tokens": free2}]},  # 1-3: computed and saved
-            {"tokens": free},  # 4: loaded with every node healthy: the TTFT to compare with
-            {"signal": [victim.pid, "SIGSTOP"]},
-            {"batch": [{"tokens": hung}, {"tokens": free2}]},  # 5-6: the hung node owns hung's chunks only
-            {"signal": [victim.pid, "SIGCONT"]},
-        ]})
+            # vLLM's own processes (not the suite's one-process engines): this test times requests, and
+            # compares a batch's greedy tokens with a single prompt's, which holds with the worker's
+            # one bound OpenMP thread; in one process the thread count is left to torch.
+            instance = start_instance(tmp_path, mode, {"model": model, "connector": conn, "in_process": False,
+                                                       "prompts": [
+                {"tokens": rng.integers(10, 2000, size=300).tolist()},  # warm-up
+                {"batch": [{"tokens": hung}, {"tokens": free}, {"tokens": free2}]},  # 1-3: computed and saved
+                # Saves run behind their step: request 4 starts once they are all stored (on a slow
+                # machine it found some of its chunks not yet there, and loaded only the others).
+                {"touch": str(tmp_path / "computed")}, {"wait_for": str(tmp_path / "saved"), "timeout": 300},
+                {"tokens": free},  # 4: loaded with every node healthy: the TTFT to compare with
+                {"signal": [victim.pid, "SIGSTOP"]},
+                {"batch": [{"tokens": hung}, {"tokens": free2}]},  # 5-6: the hung node owns hung's chunks only
+                {"signal": [victim.pid, "SIGCONT"]},
+            ]})
+            try:
+                instance.wait_file(tmp_path / "computed", 600)
+                wait_saved(client, layout, [hung, free, free2])
+                (tmp_path / "saved").touch()
+                out = instance.result(timeout=900)
+            finally:
+                instance.stop()
     # vLLM's processes, stopped, left their IPC sockets in the instance's own directory, now gone.
     assert set(os.listdir(tempfile.gettempdir())) - before == set()
     # The prompts were placed by the engine's own keys (its layout as JSON: tuples are lists).
