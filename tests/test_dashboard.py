@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dashboard_plot import render
+from faults import inject
 from polling import wait_for
 from prometheus_server import LocalPrometheus, rate_interval
 
@@ -88,15 +89,6 @@ def _keys(client: ClusterClient) -> set[tuple[str, bytes]]:
     return {(node, key) for node in client.members for key in client.list_keys(node)}
 
 
-def _corrupt(cluster, node_id: str, key: bytes) -> None:
-    """Flip a stored byte of a chunk part on its node (the node's --fault-injection endpoint)."""
-    node = next(n for n in cluster.nodes if n.node_id == node_id)
-    req = urllib.request.Request(f"{node.admin_addr}/debug/corrupt?key={key.hex()}", method="POST",
-                                 headers=cluster.node_auth)
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        assert resp.status == 200
-
-
 def _substitute(expr: str, cachecluster: str) -> str:
     """The query Grafana sends for a panel at ``STEP_S`` with the cluster selected."""
     expr = expr.replace("$__rate_interval", rate_interval(STEP_S, SCRAPE_S))
@@ -122,7 +114,7 @@ def _workload(cluster, server: VLLMServer, prom: LocalPrometheus, events: list[t
                      what=f"prompt {i}'s chunk parts stored\n{server.log_tail()}")
             if last:  # corrupt one of its parts: that chunk's blocks fail to load
                 node_id, key = sorted(_keys(client) - before)[0]
-                _corrupt(cluster, node_id, key)
+                assert inject(cluster, node_id, f"corrupt?key={key.hex()}") == 200  # a stored byte flipped
                 events.append((time.time(), "a chunk part corrupted"))
             loaded = server.complete(prompt)
             assert loaded["tokens"] == computed["tokens"], f"prompt {i}\n{server.log_tail()}"

@@ -276,8 +276,17 @@ class Membership:
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self._log_short_ring(count)
                     return False
                 self.changed.wait(min(left, 0.1))
+
+    def _log_short_ring(self, count: int) -> None:
+        """Why a wait for ``count`` nodes ended without them: the members etcd has and their states."""
+        view = self.view
+        members = ", ".join(f"{r.node_id} {r.state}" for r in sorted(view.members.values(), key=lambda r: r.node_id))
+        logger.warning("cluster %r: the ring has %d nodes, not the %d waited for; members in etcd: %s%s",
+                       self.settings.cluster, len(view.ring), count, members or "none",
+                       "" if self.etcd_ok else " (etcd lost: the last ring it had)")
 
     def close(self) -> None:
         async def shutdown() -> None:

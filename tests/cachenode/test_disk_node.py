@@ -15,6 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 from chunk_reader import Reader
+from faults import inject
 from polling import wait_for
 
 from kvring.cachenode.client import ClusterClient
@@ -157,9 +158,7 @@ def test_a_graceful_stop_writes_every_queued_chunk_first(cluster_factory):
                               node_args=["--fault-injection"])
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=5.0) as client:
         assert client.wait_for_nodes(1)
-        request = urllib.request.Request(cluster.nodes[0].admin_addr + "/debug/disk-stall?seconds=1",
-                                         method="POST", headers=cluster.node_auth)
-        urllib.request.urlopen(request, timeout=5).close()  # a slow disk: the PUTs outrun it
+        inject(cluster, cluster.nodes[0], "disk-stall?seconds=1")  # a slow disk: the PUTs outrun it
         for start in range(0, n, 50):
             assert client.put_many([_item(i) for i in range(start, start + 50)]) == [1] * 50
         assert _disk(client, "node-0")["queued"] > 0
@@ -231,9 +230,7 @@ def test_a_stalled_disk_never_stalls_the_data_loop_or_other_clients(cluster_fact
         for start in range(0, n, 32):
             assert client.put_many([_item(i) for i in range(start, start + 32)]) == [1] * 32
         wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
-        request = urllib.request.Request(cluster.nodes[0].admin_addr + "/debug/disk-stall?seconds=4", method="POST",
-                                         headers=cluster.node_auth)
-        urllib.request.urlopen(request, timeout=5).close()
+        inject(cluster, cluster.nodes[0], "disk-stall?seconds=4")
         stalled = time.monotonic()
         t0 = time.monotonic()
         assert client.put_many([_item(n)]) == [1]  # a PUT: stored in memory, queued for the disk

@@ -13,14 +13,14 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
+from faults import inject
+
 from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.dispatch import MISNUMBERINGS
 from kvring.cachenode.landing import Landed, Landing
-
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
 
@@ -134,7 +134,7 @@ def test_a_corrupt_layer_that_landed_is_never_delivered_and_the_replicas_bytes_l
     keys = list(stored)
     victim = keys[4]  # an even position: placed
     owner = client.owners(victim)[0]
-    _fault(cluster, owner, f"corrupt?key={victim.hex()}")
+    inject(cluster, owner, f"corrupt?key={victim.hex()}")
     dropped = client.reads.corrupt_dropped
     cache = _Cache(len(keys))
     found: list = [None] * len(keys)
@@ -159,7 +159,7 @@ def test_a_layer_numbered_out_of_turn_is_never_delivered_as_another(cluster, cli
     def refused() -> bool:  # the client saw the layer out of turn (then read its key from the replica)
         return any("sent a layer numbered" in r.getMessage() and owner in r.getMessage() for r in caplog.records)
 
-    _fault(cluster, owner, f"misnumber-on-get?how={how}")
+    inject(cluster, owner, f"misnumber-on-get?how={how}")
     cache = _Cache(len(keys))
     found: list = [None] * len(keys)
     got = _deliveries(client, keys, cache, stored, found)  # each delivery checked as it came
@@ -173,21 +173,13 @@ def test_a_layer_numbered_out_of_turn_is_never_delivered_as_another(cluster, cli
         assert owned and all(cache.asked.count((i, 0, LAYER_BYTES)) == 1 for i in owned)  # the replica's only
     # Again without places: every layer a view (read by reader threads where they are on).
     caplog.clear()
-    _fault(cluster, owner, f"misnumber-on-get?how={how}")
+    inject(cluster, owner, f"misnumber-on-get?how={how}")
     found = [None] * len(keys)
     for batch in client.iter_layers(keys, found=found):
         for i, view in zip(batch.indices, batch.views):
             assert bytes(view) == stored[keys[i]][batch.layer * LAYER_BYTES:][:LAYER_BYTES].tobytes()
     assert all(m is not None for m in found)
     assert refused()
-
-
-def _fault(cluster, node_id: str, what: str) -> None:
-    """``POST /debug/<what>`` on node ``node_id`` (its fault injection)."""
-    node = next(n for n in cluster.nodes if n.node_id == node_id)
-    req = urllib.request.Request(f"{node.admin_addr}/debug/{what}", method="POST", headers=cluster.node_auth)
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        assert resp.status in (200, 202)
 
 
 def test_a_place_taken_back_gets_no_byte_after_and_its_keys_are_not_found(client, stored):

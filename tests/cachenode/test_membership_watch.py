@@ -29,7 +29,7 @@ def _count_requests(client: ClusterClient) -> list[int]:
     return sent
 
 
-def test_an_idle_client_sends_etcd_nothing_and_sees_joins_and_leaves_at_once(cluster_factory):
+def test_an_idle_client_sends_etcd_nothing_and_sees_joins_and_leaves_at_once(cluster_factory, caplog):
     cluster = cluster_factory(nodes=1, lease_ttl=3)
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, resync_interval=3600) as client:
         assert client.wait_for_nodes(1)
@@ -39,6 +39,10 @@ def test_an_idle_client_sends_etcd_nothing_and_sees_joins_and_leaves_at_once(clu
         joined.stop()  # SIGTERM revokes its lease: the record goes at once
         assert client.wait_for_nodes(1, timeout=2, exact=True)
         assert client.members.keys() == {"node-0"}
+        # A wait that ends short says what etcd has, and in which state.
+        assert not client.wait_for_nodes(2, timeout=0.2)
+        assert (f"cluster {cluster.cluster!r}: the ring has 1 nodes, not the 2 waited for; members in etcd: "
+                "node-0 active") in caplog.text
         assert sent[0] == 0 and client.membership.resyncs == 0
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
+from faults import inject
+
 from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.client import reads as reads_module
-
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
 
@@ -100,12 +100,7 @@ def test_a_corrupt_layer_a_reader_finds_is_never_delivered_and_is_read_from_the_
                                                                                        readers):
     keys = list(stored)
     victim = keys[5]
-    owner = client.owners(victim)[0]
-    node = next(n for n in cluster.nodes if n.node_id == owner)
-    req = urllib.request.Request(f"{node.admin_addr}/debug/corrupt?key={victim.hex()}", method="POST",
-                                 headers=cluster.node_auth)
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        assert resp.status == 200
+    assert inject(cluster, client.owners(victim)[0], f"corrupt?key={victim.hex()}") == 200
     dropped = client.reads.corrupt_dropped
     expected = _expected(stored, keys)
     got = _layers(client, keys)

@@ -3,8 +3,7 @@ node processes; the hang is a blocked data loop, from the node's fault injection
 
 from __future__ import annotations
 
-import urllib.request
-
+from faults import inject
 from polling import readyz, wait_for
 
 from kvring.cachenode.client import ClusterClient
@@ -15,10 +14,7 @@ def test_a_node_whose_data_loop_hangs_leaves_the_ring_and_returns_when_it_answer
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=1.0) as client:
         assert client.wait_for_nodes(2)
         hung = cluster.nodes[1]
-        request = urllib.request.Request(f"{hung.admin_addr}/debug/stall?seconds=8", method="POST",
-                                         headers=cluster.node_auth)
-        with urllib.request.urlopen(request, timeout=5) as r:
-            assert r.status == 202
+        assert inject(cluster, hung, "stall?seconds=8") == 202
         # 3 PINGs missed (0.5 s apart, 0.5 s each): off the ring, record kept, saying why.
         assert client.wait_for_nodes(1, timeout=6, exact=True)
         assert client.ring.nodes == ("node-0",)

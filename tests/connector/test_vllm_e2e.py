@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import inject
 from kv_event_tap import EventTap, removed_hashes, replay, stored_hashes, vllm_block_hashes
 from polling import wait_for
 from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
@@ -193,18 +194,6 @@ def test_unfull_chunk_and_decode_cache_are_saved_and_loaded(etcd_server, model, 
     assert cached == [1152, 1280, 0]
 
 
-def _corrupt(cluster: LocalCluster, client: ClusterClient, key_hex: str) -> None:
-    """Flip a stored byte of a chunk part on its owner (the node's --fault-injection endpoint)."""
-    import urllib.request
-
-    owner = client.owners(bytes.fromhex(key_hex))[0]
-    node = next(n for n in cluster.nodes if n.node_id == owner)
-    req = urllib.request.Request(f"{node.admin_addr}/debug/corrupt?key={key_hex}", method="POST",
-                                 headers=cluster.node_auth)
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        assert resp.status == 200
-
-
 def test_corrupt_chunk_is_recomputed_in_both_modes(etcd_server, model, prompts, reference, tmp_path):
     """A chunk whose bytes no longer match their checksums is never loaded: both load modes
     report its blocks, vLLM recomputes them, and the corrupt copy is deleted from the node."""
@@ -217,7 +206,8 @@ def test_corrupt_chunk_is_recomputed_in_both_modes(etcd_server, model, prompts, 
         bad = [ChunkPart(*a["parts"][0]).key(bytes.fromhex(k)).hex() for k in (a["keys"][0][2], a["keys"][1][3])]
         with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
             for key in bad:
-                _corrupt(cluster, client, key)
+                # Flip a stored byte of the chunk part on its owner.
+                assert inject(cluster, client.owners(bytes.fromhex(key))[0], f"corrupt?key={key}") == 200
             assert client.lookup([bytes.fromhex(k) for k in bad]) == [True, True]  # lookups cannot tell
             outs = []
             for mode, prompt in (("layerwise", p1), ("bulk", p2)):
