@@ -204,9 +204,10 @@ class Membership:
                     logger.warning("etcd watch lost (%s); routing with the last ring (epoch %d)",
                                    exc, self.view.ring.epoch)
                 self.etcd_ok = False
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 5.0)
-            while True:
+            while True:  # after a break, each read waits its backoff first
+                if not self.etcd_ok:
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, 5.0)
                 try:
                     await self._resync()
                     self.resyncs += 1
@@ -214,8 +215,6 @@ class Membership:
                 except MembershipError as exc:
                     logger.debug("etcd resync failed: %s", exc)
                     self.etcd_ok = False
-                    await asyncio.sleep(pause)
-                    pause = min(pause * 2, 5.0)
 
     async def _resync(self) -> None:
         """Read the whole cluster (contract and members) and publish what changed."""

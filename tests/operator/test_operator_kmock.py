@@ -543,10 +543,10 @@ def test_a_stop_during_a_status_pass_drops_the_pass_and_leaves_no_timer_behind(k
     stopped was left orphaned ("did not exit in time"): it outlived ``shutdown``, ran on over
     closed clients, and a write of its status could open a kopf API session after kopf had
     closed its own, never closed (the likeliest source of an unclosed-session warning seen in a
-    later test).  Here the API server holds the pass's
-    StatefulSet read unanswered: the stop drops the pass, and no timer is left behind."""
+    later test).  Here the API server holds the pass's StatefulSet read unanswered: the stop
+    drops the pass, and no timer is left behind."""
     api = kube.api
-    holds = []
+    hold = None
     try:
         with operator() as runner:
             api.create(cc_path(), cachecluster("held", replicas=1, etcd={"endpoints": [etcd_server.endpoint]}))
@@ -554,11 +554,11 @@ def test_a_stop_during_a_status_pass_drops_the_pass_and_leaves_no_timer_behind(k
             cc_when(api, "held", lambda o: "kvring.io/last-handled-configuration" in o["metadata"].get(
                 "annotations", {}) and o.get("status", {}).get("nodes") is not None, what="reconciled and observed")
             statefulset = path("apps/v1", "statefulsets", "held")
-            holds.append(kube.hold(lambda method, p: method == "GET" and p == statefulset))
-            assert holds[0].caught.wait(15), "no status pass read the StatefulSet"
+            hold = kube.hold(lambda method, p: method == "GET" and p == statefulset)
+            assert hold.caught.wait(15), "no status pass read the StatefulSet"
             versions = assert_every_version_fits_the_crd(kube, "held")
     finally:
-        for hold in holds:  # once the operator has stopped (or the test failed)
+        if hold is not None:  # once the operator has stopped (or the test failed)
             hold.release()
     assert "did not exit in time" not in runner.output, runner.output[-3000:]
     assert "this status pass is dropped, nothing of it written" in runner.output
