@@ -46,6 +46,7 @@ import torch
 from kvring.cachenode.client import ClusterClient, ReadMeter
 from kvring.cachenode.landing import Landed, Landing
 from kvring.common.chunk import ChunkItem
+from kvring.common.threadclock import ThreadClock, ThreadTimes
 
 from .config import ConnectorConfig
 from .copies import buffer_runs, copies_for, slot_runs
@@ -104,6 +105,7 @@ class _LoadJob:
         self.seconds = 0.0  # until the last layer was
         self.copy_seconds = 0.0  # of which copying into the paged cache (the rest: fetching and verifying)
         self.landed = 0  # bytes of ``nbytes`` received straight into the cache (``_place``), not copied
+        self.thread_times: ThreadTimes | None = None  # the loading thread's, over ``run``
         self.nbytes = 0
         self.meter = ReadMeter()  # what each node's share cost (admission learns from it)
         # One flat list of part keys over all requests: each chunk's parts of this worker in
@@ -125,6 +127,7 @@ class _LoadJob:
         self.uniform = len({o.part.layers for o in self.owner}) <= 1
 
     def run(self) -> None:
+        clock = ThreadClock()
         w = self.worker
         found: list = [None] * len(self.keys)
         got = np.zeros((len(w.layer_names), len(self.keys)), dtype=bool)
@@ -177,6 +180,7 @@ class _LoadJob:
                 w.copies.discard()
             w.copies.layer_loaded(-1)
             self.seconds = time.perf_counter() - self.started
+            self.thread_times = clock.elapsed()
             for event in self.layer_done:
                 event.set()
             self.finished.set()
@@ -478,6 +482,10 @@ class WorkerSide:
         entry = {"mode": self.config.load_mode, "chunks": job.chunks, "parts": len(job.keys), "bytes": job.nbytes,
                  "seconds": job.seconds, "first_layer_seconds": job.first_layer_s, "copy_seconds": job.copy_seconds,
                  "landed_bytes": job.landed,
+                 # the loading thread's seconds on a CPU and runnable waiting for one (the rest of
+                 # ``seconds`` it was blocked: on the nodes' bytes, or a lock)
+                 "thread_cpu_seconds": job.thread_times.on_cpu if job.thread_times else None,
+                 "thread_runqueue_seconds": job.thread_times.waiting if job.thread_times else None,
                  "failed_blocks": len(job.failed_blocks),
                  # which worker: under tensor or pipeline parallelism each appends its own lines
                  "heads": list(self.shard.heads), "layers": [self.shard.first_layer, self.shard.end_layer]}

@@ -27,7 +27,7 @@ import pytest
 from rich.console import Console
 
 from kvring.bench.dataplane import CASES, BenchError, ChunkSpec, DataPlaneSettings, PlainTcp, run_data_plane_bench
-from kvring.bench.e2e import BASELINES, MODES, _baseline_times, _plot, _table
+from kvring.bench.e2e import BASELINES, MODES, _baseline_times, _plot, _table, _time_table
 from kvring.bench.tls import paired_ratio
 from kvring.common.hashing import DEFAULT_CHUNK_SIZE
 from kvring.common.tls import generate
@@ -223,19 +223,30 @@ def test_bench_miss_quick_runs_both_engines_and_writes_json_and_png(tmp_path):
 
 def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
     assert MODES == ("layerwise", "bulk", "async")
-    load = {"ttft": 0.1, "loaded_tokens": 768, "identical": True, "load_bytes": 9 << 20, "load_seconds": 0.01,
-            "load_chunks": 3}
+    load = {"ttft": 0.1, "loaded_tokens": 768, "identical": True, "load_bytes": 10 ** 7, "load_seconds": 0.01,
+            "load_chunks": 3, "thread_cpu_seconds": 0.006, "thread_runqueue_seconds": 0.001}
     results = {"model": {"layers": 2, "hidden": 256, "intermediate": 512}, "tls": True,
                "rows": [{"tokens": 1024, "recompute_ttft": 1.0, "no_connector_ttft": 1.1, "store_ttft": 1.0,
                          "raw_zmq_seconds": 0.005, "bare_tls_seconds": 0.02, "bare_tls_nodes_seconds": 0.01,
+                         "bare_tls_cpu_seconds": 0.012,
                          **{mode: dict(load) for mode in MODES}}]}
+    results["rows"][0]["async"].update(thread_cpu_seconds=None, thread_runqueue_seconds=None)  # not Linux
     console = Console(record=True, width=300)
     console.print(_table(results))
     text = console.export_text()
     assert all(f"B {mode}" in text for mode in MODES) and "768|768|768" in text
     assert "mutual TLS" in text and "bare TLS GB/s 1|3 servers" in text
-    assert "0.47|0.94" in text  # 9 MiB in 20 ms from one server, in 10 ms from three
+    assert "0.50|1.00" in text  # 10 MB in 20 ms from one server, in 10 ms from three
     assert "load / bare TLS" in text and "2.00|2.00|2.00" in text  # each mode's 10 ms load against 20 ms
+    # Where the load's 10 ms went: 6 on a CPU (0.60 ns a byte), 1 runnable, 3 blocked; the bare
+    # client spent 12 ms of CPU (1.20 ns a byte) in its 20.
+    console = Console(record=True, width=300)
+    console.print(_time_table(results))
+    rows = [line.split("│")[1:-1] for line in console.export_text().splitlines() if line.count("│") > 2]
+    cells = {r[1].strip(): [c.strip() for c in r] for r in rows if r[1].strip() in MODES}
+    for mode in ("layerwise", "bulk"):
+        assert cells[mode][2:] == ["0.010 s", "0.006 s", "0.001 s", "0.003 s", "0.60", "0.020 s | 1.20"]
+    assert cells["async"][2:] == ["0.010 s", "-", "-", "-", "-", "0.020 s | 1.20"]
     _plot(results, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -245,9 +256,10 @@ def test_bench_e2e_bare_tls_baseline_streams_every_byte_from_one_server_and_from
     and all of them; one from which a server's share never came back is an error, not a figure."""
     credentials = generate(tmp_path / "tls", "bench-e2e")
     for servers in (1, 3):
-        times = _baseline_times(partial(BASELINES["bare_tls"], credentials), 96 << 10, 7, 6, repeats=2,
-                                servers=servers)
-        assert len(times) == 2 and all(t > 0 for t in times)
+        runs = _baseline_times(partial(BASELINES["bare_tls"], credentials), 96 << 10, 7, 6, repeats=2,
+                               servers=servers)
+        # Each stream's wall seconds, and its reading threads' CPU seconds (decrypting takes some).
+        assert len(runs) == 2 and all(0 < x.cpu_seconds and 0 < x.seconds for x in runs)
     with pytest.raises(BenchError, match="streamed"):
         _baseline_times(partial(_Short, tls=credentials), 96 << 10, 7, 6, repeats=1, servers=3)
 

@@ -23,6 +23,11 @@ instance, so their medians interleave with kvring's loads (this machine's noise 
 The bare TLS loop is measured from one server (one stream at the cipher's limit) and from as
 many servers as the cluster has nodes, each read by a thread of its own: on a machine whose
 cores the nodes share with vLLM, the latter is what the same bytes cost from three senders.
+
+A second table says where each load's time went on the thread that loads (``ThreadClock``: on a
+CPU, runnable without one, blocked on the nodes or a lock), with its CPU per byte beside the bare
+TLS client's (1 server) for the same bytes: which part of a gap is kvring's own work and which is
+the machine's cores being busy elsewhere.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from rich.console import Console
@@ -67,26 +73,34 @@ BASELINES = {"raw_zmq": lambda credentials: RawZmq(), "plain_tcp": lambda creden
              "bare_tls": lambda credentials: PlainTcp(tls=credentials)}
 
 
+class BaselineRun(NamedTuple):
+    """One stream of a baseline: its wall seconds, and its reading threads' seconds on a CPU
+    (``None`` where the kernel does not say)."""
+
+    seconds: float
+    cpu_seconds: float | None
+
+
 def _baseline_times(make: Callable[[], RawZmq | PlainTcp], chunk_bytes: int, chunks: int, layers: int,
-                    repeats: int = 2, servers: int = 1) -> list[float]:
-    """Seconds for a baseline (raw ZMQ, plain TCP, the bare TLS loop) to stream ``chunks`` chunks of
+                    repeats: int = 2, servers: int = 1) -> list[BaselineRun]:
+    """A baseline (raw ZMQ, plain TCP, the bare TLS loop) streaming ``chunks`` chunks of
     ``chunk_bytes``, layer by layer, ``repeats`` times; from ``servers`` servers at once, each
     holding every ``servers``-th chunk (as a cluster's nodes share a prompt's chunks) and read by
     a thread of its own (``Sharded``)."""
     spec = ChunkSpec("e2e", "bench", (layers, chunk_bytes // layers // 2))
     payloads = [np.random.default_rng(i).integers(0, 255, size=chunk_bytes, dtype=np.uint8) for i in range(chunks)]
-    times = []
+    runs = []
     with Sharded(make, servers, spec, payloads, b"e2e-") as sharded:
         for _ in range(repeats):
             t0 = time.perf_counter()
             got = sharded.stream()
-            times.append(time.perf_counter() - t0)
+            runs.append(BaselineRun(time.perf_counter() - t0, sharded.cpu_seconds))
             if got != chunk_bytes * chunks:
                 raise BenchError(f"a baseline streamed {got} bytes of {chunk_bytes * chunks}")
-    return times
+    return runs
 
 
-def _sample_baselines(samples: list[dict[str, list[float]]], loads: list[dict], layers: int,
+def _sample_baselines(samples: list[dict[str, list[BaselineRun]]], loads: list[dict], layers: int,
                       credentials, nodes: int) -> None:
     """One round of every baseline on the bytes of each prompt's load (``loads``, in prompt order),
     taken right after an instance ran: the baselines' samples interleave with kvring's loads.  The
@@ -129,7 +143,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
         runs: dict[str, dict] = {}
         stats: dict[str, list[dict]] = {}
         credentials = generate(tmp / "bare-tls", "bench-e2e")
-        samples: list[dict[str, list[float]]] = [{} for _ in sizes]  # per prompt: baseline -> seconds
+        samples: list[dict[str, list[BaselineRun]]] = [{} for _ in sizes]  # per prompt: baseline -> its runs
         with LocalCluster(nodes=NODES, memory=memory, cluster="bench-e2e", tls=tls) as cluster:
             bar.advance(task)
             base = {"model": model, "dtype": dtype, "max_tokens": 1, "max_model_len": max_len}
@@ -176,22 +190,34 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                              "load_seconds_each": [x["seconds"] for x in loads],
                              "load_chunks": loads[0]["chunks"],
                              "copy_seconds": max(x.get("copy_seconds", 0.0) for x in loads),
-                             "landed_bytes": min(x.get("landed_bytes", 0) for x in loads)}
+                             "landed_bytes": min(x.get("landed_bytes", 0) for x in loads),
+                             # the loading thread: seconds on a CPU, and runnable waiting for one
+                             "thread_cpu_seconds": _median_of(loads, "thread_cpu_seconds"),
+                             "thread_runqueue_seconds": _median_of(loads, "thread_runqueue_seconds")}
                 if any(x["bytes"] != loads[0]["bytes"] for x in loads):
                     raise BenchError(f"{mode}: the loads of the {n}-token prompt moved different byte counts: "
                                      f"{[x['bytes'] for x in loads]}")
             rows.append(row)
         for row, per_prompt in zip(rows, samples):
-            for name, times in per_prompt.items():
-                row[f"{name}_seconds"] = statistics.median(times)
-                row[f"{name}_samples"] = len(times)
+            for name, runs_of in per_prompt.items():
+                row[f"{name}_seconds"] = statistics.median(x.seconds for x in runs_of)
+                row[f"{name}_samples"] = len(runs_of)
+                cpu = [x.cpu_seconds for x in runs_of if x.cpu_seconds is not None]
+                row[f"{name}_cpu_seconds"] = statistics.median(cpu) if cpu else None
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
                          "kv_heads": 4, "head_dim": 128, "dtype": dtype}, "tls": tls, "repetitions": repetitions,
                "rows": rows}
     console.print(_table(results))
+    console.print(_time_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results
+
+
+def _median_of(loads: list[dict], name: str) -> float | None:
+    """The loads' median ``name`` (``None`` where the connector could not measure it)."""
+    values = [x[name] for x in loads if x.get(name) is not None]
+    return statistics.median(values) if values else None
 
 
 def _gbps(nbytes: int | None, seconds: float | None) -> float:
@@ -224,6 +250,30 @@ def _table(results: dict) -> Table:
             f"{_gbps(r['bulk']['load_bytes'], r.get('raw_zmq_seconds')):.2f}",
             f"{_gbps(r['bulk']['load_bytes'], r.get('plain_tcp_seconds')):.2f}",
             "yes" if all(x["identical"] for x in b) else "NO")
+    return table
+
+
+def _time_table(results: dict) -> Table:
+    """Where each mode's load time went, on the thread that loads (``ThreadClock``): on a CPU,
+    runnable but without one (the machine's cores busy elsewhere), and the rest blocked (on the
+    nodes' bytes, or a lock); its CPU per byte beside the bare TLS client's for the same bytes."""
+    table = Table(title="kvring bench e2e: where B's load time went, on the loading thread (medians; "
+                        "blocked: waiting for the nodes' bytes or a lock)")
+    for col in ("tokens", "mode", "load", "on a CPU", "runnable, no CPU", "blocked", "CPU ns/byte",
+                "bare TLS client (1 server): load | CPU ns/byte"):
+        table.add_column(col, justify="right")
+    for r in results["rows"]:
+        bare_cpu = r.get("bare_tls_cpu_seconds")
+        for mode in MODES:
+            x = r[mode]
+            cpu, waiting, nbytes = x.get("thread_cpu_seconds"), x.get("thread_runqueue_seconds"), x["load_bytes"]
+            known = cpu is not None and waiting is not None
+            table.add_row(str(r["tokens"]), mode, f"{x['load_seconds']:.3f} s",
+                          f"{cpu:.3f} s" if known else "-", f"{waiting:.3f} s" if known else "-",
+                          f"{max(0.0, x['load_seconds'] - cpu - waiting):.3f} s" if known else "-",
+                          f"{cpu / nbytes * 1e9:.2f}" if known and nbytes else "-",
+                          (f"{r['bare_tls_seconds']:.3f} s | " if r.get("bare_tls_seconds") else "- | ")
+                          + (f"{bare_cpu / nbytes * 1e9:.2f}" if bare_cpu is not None and nbytes else "-"))
     return table
 
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvring.common.threadclock import ThreadClock, ThreadTimes
 from kvring.local.cluster import stop_process_group
 
 TOKENS = 256
@@ -140,11 +141,21 @@ class Sharded:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(servers)
+        self.cpu_seconds: float | None = None  # the last ``stream``'s
 
     def stream(self) -> int:
-        """Stream every server's share, layer by layer, all at once; the bytes that came back."""
-        streamed = list(self._pool.map(lambda system, keys: system.stream(keys, self.spec), self.systems, self.shares))
-        return sum(memoryview(v).nbytes for layers in streamed for layer in layers for v in layer if v is not None)
+        """Stream every server's share, layer by layer, all at once; the bytes that came back.
+        ``cpu_seconds``: what the reading threads spent on a CPU for it, together (``None``
+        where the kernel does not say)."""
+        timed = list(self._pool.map(self._stream_timed, self.systems, self.shares))
+        times = [t for _, t in timed]
+        self.cpu_seconds = sum(t.on_cpu for t in times) if None not in times else None
+        return sum(memoryview(v).nbytes for layers, _ in timed for layer in layers for v in layer if v is not None)
+
+    def _stream_timed(self, system: System, keys: list[bytes]) -> tuple[list, ThreadTimes | None]:
+        clock = ThreadClock()
+        layers = system.stream(keys, self.spec)
+        return layers, clock.elapsed()
 
     def close(self) -> None:
         if hasattr(self, "_pool"):

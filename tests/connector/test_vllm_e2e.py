@@ -109,6 +109,11 @@ def test_second_instance_loads_what_the_first_computed(etcd_server, model, promp
     cached = [r["cached"] for r in b["results"]]
     loads = [json.loads(line) for line in stats.read_text().splitlines()]
     assert loads and all(x["landed_bytes"] == x["bytes"] > 0 for x in loads)  # received straight into the cache
+    # Where each load's time went on its thread: some on a CPU (it decrypts), and no more on a CPU
+    # or runnable than the load took (the clock runs over the job, inside its seconds; the kernel's
+    # figures lag by up to a scheduler tick, 10 ms at most).
+    assert all(0 < x["thread_cpu_seconds"] and 0 <= x["thread_runqueue_seconds"]
+               and x["thread_cpu_seconds"] + x["thread_runqueue_seconds"] <= x["seconds"] + 0.011 for x in loads)
     assert outs[:3] == reference[:3] and outs[3] == reference[0] and outs[4] == reference[3]
     assert [r["tokens"] for r in a["results"]] == reference[:2]
     # Every whole chunk; k chunks; another salt: nothing; a prompt that is all cached (exactly 4
