@@ -71,11 +71,29 @@ def _rows_needed(runs: list[tuple[int, int, int, int]], row0: int) -> int:
     return row0 + (runs[-1][0] + runs[-1][3] if runs else 0)
 
 
+_VIEWS_MAX = 4096  # cache tensors a ``HostCopies`` keeps NumPy views of (a worker's layers times heads)
+
+
 class HostCopies:
     """The paged cache is host memory: synchronous slice copies on NumPy views."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # id(tensor) -> it and its view
+
+    def _numpy(self, kv: torch.Tensor) -> np.ndarray:
+        """``_ints(kv)``, made once per cache tensor: the worker hands the same head views of its
+        layers over for every frame, and making a NumPy view of a tensor costs more than the
+        frame's slicing (a tenth of a load's time on the loading thread, profiled).  The entry
+        holds the tensor, so its id is not reused while the entry lives."""
+        entry = self._views.get(id(kv))
+        if entry is not None and entry[0] is kv:
+            return entry[1]
+        if len(self._views) >= _VIEWS_MAX:
+            self._views.clear()
+        view = _ints(kv)
+        self._views[id(kv)] = (kv, view)
+        return view
 
     def new_save_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -83,7 +101,7 @@ class HostCopies:
     def load(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int]], frame, row0: int) -> None:
         """Write rows ``row0 + pos ..`` of ``frame`` (one chunk layer, ``[tokens, H, C]``) to the
         slot ``runs`` of one layer's cache ``kv``; ``ValueError`` if the frame is too short."""
-        dst = _ints(kv)
+        dst = self._numpy(kv)
         src = np.frombuffer(frame, dtype=dst.dtype).reshape(-1, kv.shape[1], kv.shape[3])
         if src.shape[0] < _rows_needed(runs, row0):
             raise ValueError(f"chunk holds {src.shape[0]} tokens, the load needs {_rows_needed(runs, row0)}")
@@ -103,7 +121,7 @@ class HostCopies:
         row = kv.shape[3] * kv.element_size()
         if size % row or size // row < _rows_needed(runs, row0):
             return None
-        dst = _ints(kv)
+        dst = self._numpy(kv)
         segments: list[memoryview | int] = [row0 * row] if row0 else []
         at = row0
         for pos, block, off, n in runs:
@@ -121,7 +139,7 @@ class HostCopies:
     def gather_into(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int, int]], bufs: list[torch.Tensor],
                     layer: int) -> None:
         """Copy the KV of the ``buffer_runs`` into layer ``layer`` of the chunk buffers ``bufs``."""
-        src = _ints(kv)
+        src = self._numpy(kv)
         dsts = [_ints(b)[layer] for b in bufs]
         for i, r, block, off, n in runs:
             dsts[i][r:r + n] = src[block, :, off:off + n].transpose(1, 0, 2)

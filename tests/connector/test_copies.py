@@ -145,3 +145,63 @@ def test_places_put_a_frame_exactly_where_load_copies_it_or_are_refused(shape, l
     short = (row0 + len(slots) - 1) * ch * 2
     assert copies.places(kv, runs, short, row0) is None  # rows missing
     assert BatchedCopies(BS, torch.device("cpu")).places(kv, runs, len(frame), row0) is None
+
+
+def _write_through(segments: list, frame: bytes) -> None:
+    """What a reader receiving ``frame`` into its places does: fill the views, skip the drops."""
+    at = 0
+    for segment in segments:
+        if not isinstance(segment, int):
+            segment[:] = frame[at:at + segment.nbytes]
+        at += segment if isinstance(segment, int) else segment.nbytes
+
+
+def test_places_of_every_layer_and_head_in_turn_land_where_load_copies_them(monkeypatch):
+    """One ``HostCopies`` serves a worker's head views of every layer, frame after frame (it keeps
+    a NumPy view of each tensor rather than making one per frame): each frame, in any order and
+    again, lands where ``load`` copies it, never in another head's or layer's memory.  A caller
+    that slices a fresh view for every frame, of one cache and then of another, gets each
+    frame into its own cache, though Python hands the new view the freed one's id; and the
+    views kept stay bounded however many tensors pass through."""
+    from kvring.connector import copies as copies_module
+
+    layers, heads, ch = 3, 2, 8
+    slots = np.arange(3 * BS, 3 * BS + 40)
+    runs = slot_runs(slots, BS)
+    copies = HostCopies(BS)
+    rng = np.random.default_rng(5)
+
+    def frame() -> bytes:
+        return torch.randn(len(slots), 1, ch).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+
+    def head(raw: torch.Tensor, layer: int, h: int) -> torch.Tensor:
+        return vllm_views(raw, layers, BLOCKS, heads, BS, ch, "LBHNC")[layer][:, h:h + 1]
+
+    def cache() -> tuple[torch.Tensor, torch.Tensor]:
+        raw = torch.randn(layers * BLOCKS * heads * BS * ch).to(torch.bfloat16)
+        return raw, raw.clone()
+
+    # As the worker: its head views made once, every frame of a load through them.
+    raw, expected = cache()
+    mine = [[head(raw, layer, h) for h in range(heads)] for layer in range(layers)]
+    order = [(layer, h) for layer in range(layers) for h in range(heads)] * 2
+    for k in rng.permutation(len(order)):
+        layer, h = order[k]
+        data = frame()
+        copies.load(head(expected, layer, h), runs, memoryview(data), 0)
+        _write_through(copies.places(mine[layer][h], runs, len(data), 0), data)
+    assert torch.equal(_bits(raw), _bits(expected))
+
+    # A fresh view for every frame, of two caches in turn: each view freed before the next.
+    (a, a_expected), (b, b_expected) = cache(), cache()
+    for k in range(12):
+        for raw, expected in ((a, a_expected), (b, b_expected)):
+            data = frame()
+            copies.load(head(expected, k % layers, k % heads), runs, memoryview(data), 0)
+            _write_through(copies.places(head(raw, k % layers, k % heads), runs, len(data), 0), data)
+    assert torch.equal(_bits(a), _bits(a_expected)) and torch.equal(_bits(b), _bits(b_expected))
+
+    monkeypatch.setattr(copies_module, "_VIEWS_MAX", 8)
+    for k in range(20):
+        assert copies.places(head(a, k % layers, k % heads), runs, len(slots) * ch * 2, 0) is not None
+        assert len(copies._views) <= 8
