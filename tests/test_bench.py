@@ -347,7 +347,7 @@ def test_bench_e2e_tp_sums_its_workers_loads_and_shows_both_tp_sizes(tmp_path):
     worker's time."""
     import json
 
-    from kvring.bench.e2e_tp import _loads
+    from kvring.bench.e2e_tp import _loads, _plain_tcp_gbps
     from kvring.bench.e2e_tp import _plot as tp_plot
     from kvring.bench.e2e_tp import _table as tp_table
 
@@ -372,6 +372,9 @@ def test_bench_e2e_tp_sums_its_workers_loads_and_shows_both_tp_sizes(tmp_path):
     assert text.count("0.050 (0.040-0.070) s") == 2 and text.count("0.67 (0.50-0.70)") == 2 and "10.0x" in text
     tp_plot(results, tmp_path / "tp.png")
     assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"
+    # The plain TCP ceiling beside each load: one worker's share of its parts, over a real socket.
+    part = 6 * 2 * 8192  # 6 layers of 16 KiB
+    assert 0 < _plain_tcp_gbps({"bytes": 8 * part, "parts": 8, "workers": 2}, 6) < 1000
 
 
 @pytest.mark.timeout(600)  # six vLLM engine starts: some 4 minutes on a 2-core machine

@@ -44,6 +44,14 @@ from kvring.local.rundir import run_directory
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 128
 
 
+
+def _plain_tcp_gbps(load: dict, layers: int) -> float:
+    """A plain TCP socket's GB/s moving one worker's share of ``load``'s parts, in the same part
+    sizes, layer by layer: the loopback ceiling for the bytes each worker loads."""
+    part = load["bytes"] // load["parts"]
+    parts = max(1, load["bytes"] // load["workers"] // part)
+    return _gbps(part * parts, _baseline_times(PlainTcp, part, parts, layers, repeats=1)[0].seconds)
+
 def _loads(stats_path: Path) -> list[dict]:
     """The instance's loads, in order, each summed over its workers: bytes and parts of all of
     them, seconds of the slowest (a worker appends one line per load: ``heads``, ``layers``)."""
@@ -124,10 +132,7 @@ def run_bench_e2e_tp(tp: int, sizes: Sequence[int] = (1024, 4096), layers: int =
                            "identical": loaded["tokens"] == recompute["tokens"], "load": load,
                            "gbps": _gbps(load and load["bytes"], load and load["seconds"])}
                     if load and load["parts"]:
-                        part = load["bytes"] // load["parts"]
-                        parts = max(1, load["bytes"] // load["workers"] // part)
-                        rep["plain_tcp_gbps"] = _gbps(part * parts, _baseline_times(PlainTcp, part, parts, layers,
-                                                                                    repeats=1)[0])
+                        rep["plain_tcp_gbps"] = _plain_tcp_gbps(load, layers)
                     reps.append(rep)
                 row[str(t)] = {"recompute_ttft": recompute["ttft"], "repetitions": reps,
                                "loaded_tokens": reps[0]["loaded_tokens"],
