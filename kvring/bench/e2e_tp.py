@@ -44,13 +44,13 @@ from kvring.local.rundir import run_directory
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 128
 
 
-
 def _plain_tcp_gbps(load: dict, layers: int) -> float:
     """A plain TCP socket's GB/s moving one worker's share of ``load``'s parts, in the same part
     sizes, layer by layer: the loopback ceiling for the bytes each worker loads."""
     part = load["bytes"] // load["parts"]
     parts = max(1, load["bytes"] // load["workers"] // part)
     return _gbps(part * parts, _baseline_times(PlainTcp, part, parts, layers, repeats=1)[0].seconds)
+
 
 def _loads(stats_path: Path) -> list[dict]:
     """The instance's loads, in order, each summed over its workers: bytes and parts of all of

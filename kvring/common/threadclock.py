@@ -5,8 +5,8 @@ per thread in ``/proc/thread-self/schedstat`` (nanoseconds on a CPU, nanoseconds
 queue, time slices); a ``ThreadClock`` read at the start and at the end of a load, on the thread
 that loads, gives its share of each.  The rest of the wall time the thread was blocked: waiting
 for a node's bytes, or for a lock.  The kernel brings a running thread's figures up to date at
-its scheduler ticks, so each is good to a tick (4 or 10 ms): enough for loads of a tenth of a
-second and more.  Where the file is missing (not Linux), both read as ``None``.
+its scheduler ticks, so each is good to a tick (4 or 10 ms): read a short load's figures with
+that in mind.  Where the file is missing (not Linux), both read as ``None``.
 """
 
 from __future__ import annotations
