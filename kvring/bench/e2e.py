@@ -36,7 +36,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -192,8 +192,9 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                              "copy_seconds": max(x.get("copy_seconds", 0.0) for x in loads),
                              "landed_bytes": min(x.get("landed_bytes", 0) for x in loads),
                              # the loading thread: seconds on a CPU, and runnable waiting for one
-                             "thread_cpu_seconds": _median_of(loads, "thread_cpu_seconds"),
-                             "thread_runqueue_seconds": _median_of(loads, "thread_runqueue_seconds")}
+                             "thread_cpu_seconds": _median_known(x.get("thread_cpu_seconds") for x in loads),
+                             "thread_runqueue_seconds": _median_known(x.get("thread_runqueue_seconds")
+                                                                      for x in loads)}
                 if any(x["bytes"] != loads[0]["bytes"] for x in loads):
                     raise BenchError(f"{mode}: the loads of the {n}-token prompt moved different byte counts: "
                                      f"{[x['bytes'] for x in loads]}")
@@ -202,8 +203,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
             for name, runs_of in per_prompt.items():
                 row[f"{name}_seconds"] = statistics.median(x.seconds for x in runs_of)
                 row[f"{name}_samples"] = len(runs_of)
-                cpu = [x.cpu_seconds for x in runs_of if x.cpu_seconds is not None]
-                row[f"{name}_cpu_seconds"] = statistics.median(cpu) if cpu else None
+                row[f"{name}_cpu_seconds"] = _median_known(x.cpu_seconds for x in runs_of)
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
                          "kv_heads": 4, "head_dim": 128, "dtype": dtype}, "tls": tls, "repetitions": repetitions,
@@ -214,10 +214,10 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
     return results
 
 
-def _median_of(loads: list[dict], name: str) -> float | None:
-    """The loads' median ``name`` (``None`` where the connector could not measure it)."""
-    values = [x[name] for x in loads if x.get(name) is not None]
-    return statistics.median(values) if values else None
+def _median_known(values: Iterable[float | None]) -> float | None:
+    """The median of the values measured (``None`` where none was: the kernel did not say)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _gbps(nbytes: int | None, seconds: float | None) -> float:
