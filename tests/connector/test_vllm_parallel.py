@@ -76,7 +76,20 @@ def runs(cluster, model, prompts, tmp_path_factory):
         {"post": f"{die.admin_addr}/debug/signal-on-get?signal=SIGKILL", "headers": cluster.node_auth},
         {"tokens": prompts["tp2b"]}]})  # 6: the first GET of its load kills the other node
     assert die.proc.poll() is not None  # the node killed itself at that GET
+    out["logs"] = {name: tmp / f"{name}.log" for name in ("A", "B1", "B2")}
     return out
+
+
+def _why(runs, name: str, i: int) -> str:
+    """What instance ``name``'s connector counted during its prompt ``i`` (what changed), and the
+    kvring lines of its log: a failed load or lookup says here whether a node was ejected, a
+    lookup failed or ran past its deadline, or nothing was found."""
+    steps = runs[name]["steps"]
+    before = steps[i - 1]["counters"] if i else {}
+    changed = {k: v - before.get(k, 0) for k, v in steps[i]["counters"].items() if v != before.get(k, 0)}
+    lines = [line for line in runs["logs"][name].read_text(errors="replace").splitlines()
+             if ("kvring" in line.lower() or "ejected" in line) and "KVRingConnector" not in line]
+    return f"{name} prompt {i}: counters changed {changed}; the run's kvring log lines:\n" + "\n".join(lines[-30:])
 
 
 def _part_bytes(client: ClusterClient, keys: list[str], parts: ChunkParts) -> list[int]:
@@ -97,14 +110,16 @@ def test_tp2_stores_each_head_once_and_in_the_layout_tp1_stores(runs):
 def test_tp1_loads_what_tp2_stored(runs):
     b1 = runs["B1"]["results"]
     assert runs["A"]["results"][0]["cached"] == 0
-    assert b1[0]["cached"] == 0 and b1[1]["cached"] == 4 * CHUNK
+    assert b1[0]["cached"] == 0 and b1[1]["cached"] == 4 * CHUNK, _why(runs, "B1", 1)
     assert b1[1]["tokens"] == b1[0]["tokens"]
 
 
 def test_tp2_loads_what_tp2_and_tp1_stored(runs):
     b2 = runs["B2"]["results"]
-    assert b2[1]["cached"] == 4 * CHUNK and b2[1]["tokens"] == b2[0]["tokens"]  # stored by TP 2
-    assert b2[3]["cached"] == 4 * CHUNK and b2[3]["tokens"] == b2[2]["tokens"]  # stored by TP 1
+    assert b2[1]["cached"] == 4 * CHUNK, _why(runs, "B2", 1)  # stored by TP 2
+    assert b2[1]["tokens"] == b2[0]["tokens"]
+    assert b2[3]["cached"] == 4 * CHUNK, _why(runs, "B2", 3)  # stored by TP 1
+    assert b2[3]["tokens"] == b2[2]["tokens"]
 
 
 def test_a_node_stopped_or_killed_during_a_tp2_load_ends_in_a_recompute(runs):
