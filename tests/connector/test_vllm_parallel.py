@@ -10,6 +10,8 @@ One cluster and five engines for the module; each engine runs all of its prompts
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from polling import wait_for
@@ -40,15 +42,37 @@ def prompts():
     return {name: rng.integers(10, 2000, size=TOKENS).tolist() for name in ("tp2", "tp2b", "tp1", "pp")}
 
 
+class _NodeLines(logging.Handler):
+    """The nodes' output (``LocalCluster`` passes it on to its logger), kept for ``_why``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
-def cluster(etcd_server):
+def node_lines():
+    log = logging.getLogger("kvring.local.cluster")
+    handler, level = _NodeLines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    yield handler.lines
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server, node_lines):
     with LocalCluster(nodes=2, memory=256 << 20, etcd=etcd_server.endpoint, cluster="e2e-parallel",
                       node_args=["--fault-injection"]) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def runs(cluster, model, prompts, tmp_path_factory):
+def runs(cluster, node_lines, model, prompts, tmp_path_factory):
     """The module's engines, in order: A (TP 2) stores two prompts; B1 (TP 1) loads one and stores
     a third; B2 (TP 2) loads the other and the third, then loads while a node stops and while one
     dies; P (PP 2) stores a prompt and loads it back."""
@@ -77,19 +101,21 @@ def runs(cluster, model, prompts, tmp_path_factory):
         {"tokens": prompts["tp2b"]}]})  # 6: the first GET of its load kills the other node
     assert die.proc.poll() is not None  # the node killed itself at that GET
     out["logs"] = {name: tmp / f"{name}.log" for name in ("A", "B1", "B2")}
+    out["node_lines"] = node_lines
     return out
 
 
 def _why(runs, name: str, i: int) -> str:
-    """What instance ``name``'s connector counted during its prompt ``i`` (what changed), and the
-    kvring lines of its log: a failed load or lookup says here whether a node was ejected, a
-    lookup failed or ran past its deadline, or nothing was found."""
+    """What instance ``name``'s connector counted during its prompt ``i`` (what changed), the
+    kvring lines of its log and the nodes' last lines: a failed load or lookup says here whether
+    a node was ejected, a lookup failed or ran past its deadline, or nothing was found."""
     steps = runs[name]["steps"]
     before = steps[i - 1]["counters"] if i else {}
     changed = {k: v - before.get(k, 0) for k, v in steps[i]["counters"].items() if v != before.get(k, 0)}
     lines = [line for line in runs["logs"][name].read_text(errors="replace").splitlines()
              if ("kvring" in line.lower() or "ejected" in line) and "KVRingConnector" not in line]
-    return f"{name} prompt {i}: counters changed {changed}; the run's kvring log lines:\n" + "\n".join(lines[-30:])
+    return (f"{name} prompt {i}: counters changed {changed}; the run's kvring log lines:\n" + "\n".join(lines[-30:])
+            + "\nthe nodes' last lines:\n" + "\n".join(runs["node_lines"][-30:]))
 
 
 def _part_bytes(client: ClusterClient, keys: list[str], parts: ChunkParts) -> list[int]:
