@@ -71,7 +71,29 @@ def _rows_needed(runs: list[tuple[int, int, int, int]], row0: int) -> int:
     return row0 + (runs[-1][0] + runs[-1][3] if runs else 0)
 
 
-_VIEWS_MAX = 4096  # cache tensors a ``HostCopies`` keeps NumPy views of (a worker's layers times heads)
+_VIEWS_MAX = 4096  # cache tensors a ``HostCopies`` keeps views of (a worker's layers times heads), and runs it keeps places of
+
+
+class _HostView(NamedTuple):
+    """A cache tensor's views, made once (``HostCopies._view``): the entry holds the tensor, so
+    its id is not reused while the entry lives."""
+
+    kv: torch.Tensor
+    ints: np.ndarray  # ``_ints(kv)``
+    # Its bytes from its first element to its last, where each block's rows of the (one) head
+    # are one contiguous range (vLLM's CPU cache): a run of slots is then one slice of it.
+    flat: memoryview | None
+    block_bytes: int  # from one block to the next, in ``flat``
+    row_bytes: int  # one token's row (a head's channels)
+
+
+def _make_host_view(kv: torch.Tensor) -> _HostView:
+    row = kv.shape[3] * kv.element_size()
+    flat = None
+    if kv.shape[1] == 1 and kv.stride(3) == 1 and kv.stride(2) == kv.shape[3] and kv.numel():
+        span = sum((n - 1) * stride for n, stride in zip(kv.shape, kv.stride())) + 1
+        flat = memoryview(torch.as_strided(kv, (span,), (1,)).view(torch.uint8).numpy())
+    return _HostView(kv, _ints(kv), flat, kv.stride(0) * kv.element_size(), row)
 
 
 class HostCopies:
@@ -79,21 +101,44 @@ class HostCopies:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # id(tensor) -> it and its view
+        self._views: dict[int, _HostView] = {}  # id(tensor) -> its views
+        # (id(runs), row0, block bytes, row bytes) -> the runs and their byte ranges in a ``flat``
+        self._spans: dict[tuple[int, int, int, int], tuple[list, list[tuple[int, int]] | None]] = {}
 
-    def _numpy(self, kv: torch.Tensor) -> np.ndarray:
-        """``_ints(kv)``, made once per cache tensor: the worker hands the same head views of its
+    def _host_view(self, kv: torch.Tensor) -> _HostView:
+        """``kv``'s views, made once per cache tensor: the worker hands the same head views of its
         layers over for every frame, and making a NumPy view of a tensor costs more than the
-        frame's slicing (9 % of the loading thread's time in a profile of 128 KiB frames).  The entry
-        holds the tensor, so its id is not reused while the entry lives."""
+        frame's slicing (9 % of the loading thread's time in a profile of 128 KiB frames)."""
         entry = self._views.get(id(kv))
-        if entry is not None and entry[0] is kv:
-            return entry[1]
+        if entry is not None and entry.kv is kv:
+            return entry
         if len(self._views) >= _VIEWS_MAX:
             self._views.clear()
-        view = _ints(kv)
-        self._views[id(kv)] = (kv, view)
-        return view
+        entry = self._views[id(kv)] = _make_host_view(kv)
+        return entry
+
+    def _numpy(self, kv: torch.Tensor) -> np.ndarray:
+        return self._host_view(kv).ints
+
+    def _byte_spans(self, runs: list[tuple[int, int, int, int]], row0: int, v: _HostView) -> list[tuple[int, int]] | None:
+        """Where each run's slots are in ``v.flat``, computed once per runs (a load's are the same
+        for every layer and head); ``None`` where the runs leave rows of the frame between them."""
+        key = (id(runs), row0, v.block_bytes, v.row_bytes)
+        hit = self._spans.get(key)
+        if hit is None or hit[0] is not runs:
+            if len(self._spans) >= _VIEWS_MAX:
+                self._spans.clear()
+            spans: list[tuple[int, int]] | None = []
+            at = row0
+            for pos, block, off, n in runs:
+                if row0 + pos != at:
+                    spans = None
+                    break
+                start = block * v.block_bytes + off * v.row_bytes
+                spans.append((start, start + n * v.row_bytes))
+                at += n
+            hit = self._spans[key] = (runs, spans)
+        return hit[1]
 
     def new_save_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -116,24 +161,21 @@ class HostCopies:
         writable byte view.  ``None`` where a run's slots are not one contiguous range of
         memory (several heads per frame, or a layout with heads inside tokens) or the frame is
         not whole rows that cover the runs: then the frame is copied (``load``)."""
-        if kv.shape[1] != 1:  # a frame of several heads is token-major, the cache head-major
+        v = self._host_view(kv)
+        if v.flat is None:  # several heads a frame (token-major, the cache head-major), or rows apart
             return None
-        row = kv.shape[3] * kv.element_size()
-        if size % row or size // row < _rows_needed(runs, row0):
+        row = v.row_bytes
+        end = _rows_needed(runs, row0)
+        if size % row or size // row < end:
             return None
-        dst = self._numpy(kv)
+        spans = self._byte_spans(runs, row0, v)
+        if spans is None:
+            return None
+        flat = v.flat
         segments: list[memoryview | int] = [row0 * row] if row0 else []
-        at = row0
-        for pos, block, off, n in runs:
-            if row0 + pos != at:
-                return None
-            rows = dst[block, :, off:off + n]
-            if not rows.flags.c_contiguous:
-                return None
-            segments.append(memoryview(rows).cast("B"))
-            at += n
-        if size > at * row:
-            segments.append(size - at * row)
+        segments.extend([flat[a:b] for a, b in spans])
+        if size > end * row:
+            segments.append(size - end * row)
         return segments
 
     def gather_into(self, kv: torch.Tensor, runs: list[tuple[int, int, int, int, int]], bufs: list[torch.Tensor],

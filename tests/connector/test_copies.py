@@ -161,8 +161,9 @@ def test_places_of_every_layer_and_head_in_turn_land_where_load_copies_them(monk
     a NumPy view of each tensor rather than making one per frame): each frame, in any order and
     again, lands where ``load`` copies it, never in another head's or layer's memory.  A caller
     that slices a fresh view for every frame, of one cache and then of another, gets each
-    frame into its own cache, though Python hands the new view the freed one's id; and the
-    views kept stay bounded however many tensors pass through."""
+    frame into its own cache, though Python hands the new view the freed one's id; so does a
+    caller that makes fresh slot runs for every frame; and the views and runs kept stay bounded
+    however many pass through."""
     from kvring.connector import copies as copies_module
 
     layers, heads, ch = 3, 2, 8
@@ -181,9 +182,12 @@ def test_places_of_every_layer_and_head_in_turn_land_where_load_copies_them(monk
         raw = torch.randn(layers * BLOCKS * heads * BS * ch).to(torch.bfloat16)
         return raw, raw.clone()
 
+    def mine_of(raw: torch.Tensor) -> list[list[torch.Tensor]]:
+        return [[head(raw, layer, h) for h in range(heads)] for layer in range(layers)]
+
     # As the worker: its head views made once, every frame of a load through them.
     raw, expected = cache()
-    mine = [[head(raw, layer, h) for h in range(heads)] for layer in range(layers)]
+    mine = mine_of(raw)
     order = [(layer, h) for layer in range(layers) for h in range(heads)] * 2
     for k in rng.permutation(len(order)):
         layer, h = order[k]
@@ -201,7 +205,19 @@ def test_places_of_every_layer_and_head_in_turn_land_where_load_copies_them(monk
             _write_through(copies.places(head(raw, k % layers, k % heads), runs, len(data), 0), data)
     assert torch.equal(_bits(a), _bits(a_expected)) and torch.equal(_bits(b), _bits(b_expected))
 
+    # Fresh runs for every frame, of two slot sets in turn (their places are kept per runs list,
+    # and a freed list's id comes back for the next one): each frame lands at its own slots.
+    raw, expected = cache()
+    other = np.arange(7 * BS + 3, 7 * BS + 43)
+    mine = mine_of(raw)
+    for k in range(12):
+        data, fresh = frame(), slot_runs((slots, other)[k // 2 % 2], BS)
+        copies.load(head(expected, k % layers, k % heads), fresh, memoryview(data), 0)
+        _write_through(copies.places(mine[k % layers][k % heads], fresh, len(data), 0), data)
+        del fresh
+    assert torch.equal(_bits(raw), _bits(expected))
+
     monkeypatch.setattr(copies_module, "_VIEWS_MAX", 8)
     for k in range(20):
-        assert copies.places(head(a, k % layers, k % heads), runs, len(slots) * ch * 2, 0) is not None
-        assert len(copies._views) <= 8
+        assert copies.places(head(a, k % layers, k % heads), slot_runs(slots + k, BS), len(slots) * ch * 2, 0) is not None
+        assert len(copies._views) <= 8 and len(copies._spans) <= 8
