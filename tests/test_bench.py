@@ -27,7 +27,7 @@ import pytest
 from rich.console import Console
 
 from kvring.bench.dataplane import CASES, BenchError, ChunkSpec, DataPlaneSettings, PlainTcp, run_data_plane_bench
-from kvring.bench.e2e import BASELINES, MODES, _baseline_times, _plot, _table, _time_table
+from kvring.bench.e2e import BASELINES, MODES, BaselineRun, _baseline_times, _plot, _rows, _table, _time_table
 from kvring.bench.tls import paired_ratio
 from kvring.common.hashing import DEFAULT_CHUNK_SIZE
 from kvring.common.tls import generate
@@ -249,6 +249,61 @@ def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
     assert cells["async"][2:] == ["0.010 s", "-", "-", "-", "-", "0.020 s | 1.20"]
     _plot(results, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_e2e_rows_take_each_prompts_repetitions_and_baselines_from_what_the_run_recorded():
+    """``_rows`` (what ``bench e2e`` makes of its instances' outputs, load statistics and baseline
+    samples; a full run needs vLLM instances for minutes): each prompt's own repetitions in
+    each mode, medians of their times, the recompute it compares tokens with, and each
+    baseline's median; loads of one prompt that moved different bytes stop the bench."""
+    sizes, reps = (1024, 2048), 3
+
+    def result(ttft: float, cached: int, tokens: list[int]) -> dict:
+        return {"ttft": ttft, "cached": cached, "tokens": tokens}
+
+    recompute = [[1, 2], [3, 4]]  # each prompt's greedy tokens when recomputed
+    runs = {"store": {"results": [result(9.0, 0, [])] + [result(2.0 + i, 0, recompute[i]) for i in range(2)]},
+            "plain": {"results": [result(9.0, 0, [])] + [result(1.5 + i, 0, recompute[i]) for i in range(2)]}}
+    stats = {}
+    for m, mode in enumerate(MODES):
+        # warm-up, then repetition r of prompt i at 1 + r * 2 + i; the layerwise instance then recomputes
+        results = [result(9.0, 0, [])] + [result(0.1 * (r + 1) + i + m, 768 * (i + 1), recompute[i])
+                                          for r in range(reps) for i in range(2)]
+        if mode == "layerwise":
+            results += [result(5.0 + i, 0, recompute[i]) for i in range(2)]
+        runs[mode] = {"results": results}
+        stats[mode] = [{"bytes": 1000 * (i + 1), "chunks": 3 * (i + 1), "seconds": 0.01 * (r + 1) + i,
+                        "landed_bytes": 1000 * (i + 1), "thread_cpu_seconds": None if mode == "async" else 0.005 * (r + 1),
+                        "thread_runqueue_seconds": None if mode == "async" else 0.001}
+                       for r in range(reps) for i in range(2)]
+    runs["bulk"]["results"][1 + 2 * 2 + 1]["tokens"] = [3, 5]  # bulk's last repetition of prompt 1 drifted
+    samples = [{"bare_tls": [BaselineRun(0.02 * (i + 1) + k, 0.01 + k) for k in (0, 1, 2)],
+                "plain_tcp": [BaselineRun(0.01 * (i + 1), None)]} for i in range(2)]
+    rows = _rows(sizes, reps, runs, stats, samples)
+
+    assert [r["tokens"] for r in rows] == [1024, 2048]
+    assert [r["recompute_ttft"] for r in rows] == [5.0, 6.0] and [r["store_ttft"] for r in rows] == [2.0, 3.0]
+    assert [r["no_connector_ttft"] for r in rows] == [1.5, 2.5]
+    for i, row in enumerate(rows):
+        for m, mode in enumerate(MODES):
+            load = row[mode]
+            assert load["ttfts"] == pytest.approx([0.1 * (r + 1) + i + m for r in range(reps)])
+            assert load["ttft"] == pytest.approx(0.2 + i + m) and load["loaded_tokens"] == 768 * (i + 1)
+            assert load["identical"] is not (mode == "bulk" and i == 1)
+            assert load["load_bytes"] == 1000 * (i + 1) and load["load_chunks"] == 3 * (i + 1)
+            assert load["load_seconds_each"] == pytest.approx([0.01 * (r + 1) + i for r in range(reps)])
+            assert load["load_seconds"] == pytest.approx(0.02 + i)
+            assert load["thread_cpu_seconds"] == (None if mode == "async" else pytest.approx(0.01))
+        assert row["bare_tls_seconds"] == pytest.approx(0.02 * (i + 1) + 1) and row["bare_tls_samples"] == 3
+        assert row["bare_tls_cpu_seconds"] == pytest.approx(1.01)
+        assert row["plain_tcp_seconds"] == pytest.approx(0.01 * (i + 1)) and row["plain_tcp_cpu_seconds"] is None
+    results = {"model": {"layers": 2, "hidden": 256, "intermediate": 512}, "tls": True, "rows": rows}
+    for table in (_table(results), _time_table(results)):  # both tables take the rows as they are
+        Console(record=True, width=300).print(table)
+
+    stats["bulk"][2]["bytes"] += 1  # a repetition of prompt 0 moved another byte count
+    with pytest.raises(BenchError, match="bulk: the loads of the 1024-token prompt moved different byte counts"):
+        _rows(sizes, reps, runs, stats, samples)
 
 
 def test_bench_e2e_bare_tls_baseline_streams_every_byte_from_one_server_and_from_three(tmp_path):

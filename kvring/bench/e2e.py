@@ -170,40 +170,7 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
                                                                         *({"tokens": p} for p in prompts)]})
         bar.advance(task)
 
-        rows = []
-        for i, n in enumerate(sizes):
-            recompute = runs["layerwise"]["results"][1 + repetitions * len(sizes) + i]
-            row = {"tokens": n, "recompute_ttft": recompute["ttft"], "recomputed_tokens": recompute["cached"],
-                   "no_connector_ttft": runs["plain"]["results"][i + 1]["ttft"],
-                   "store_ttft": runs["store"]["results"][i + 1]["ttft"]}
-            for mode in MODES:
-                # This prompt's repetitions: results after the warm-up, and the mode's load statistics
-                # (one line per load, in order; the warm-up loads nothing).
-                at = [r * len(sizes) + i for r in range(repetitions)]
-                res = [runs[mode]["results"][1 + j] for j in at]
-                loads = [stats[mode][j] for j in at]
-                row[mode] = {"ttft": statistics.median(x["ttft"] for x in res), "ttfts": [x["ttft"] for x in res],
-                             "loaded_tokens": min(x["cached"] for x in res),
-                             "identical": all(x["tokens"] == recompute["tokens"] for x in res),
-                             "load_bytes": loads[0]["bytes"],
-                             "load_seconds": statistics.median(x["seconds"] for x in loads),
-                             "load_seconds_each": [x["seconds"] for x in loads],
-                             "load_chunks": loads[0]["chunks"],
-                             "copy_seconds": max(x.get("copy_seconds", 0.0) for x in loads),
-                             "landed_bytes": min(x.get("landed_bytes", 0) for x in loads),
-                             # the loading thread: seconds on a CPU, and runnable waiting for one
-                             "thread_cpu_seconds": _median_known(x.get("thread_cpu_seconds") for x in loads),
-                             "thread_runqueue_seconds": _median_known(x.get("thread_runqueue_seconds")
-                                                                      for x in loads)}
-                if any(x["bytes"] != loads[0]["bytes"] for x in loads):
-                    raise BenchError(f"{mode}: the loads of the {n}-token prompt moved different byte counts: "
-                                     f"{[x['bytes'] for x in loads]}")
-            rows.append(row)
-        for row, per_prompt in zip(rows, samples):
-            for name, runs_of in per_prompt.items():
-                row[f"{name}_seconds"] = statistics.median(x.seconds for x in runs_of)
-                row[f"{name}_samples"] = len(runs_of)
-                row[f"{name}_cpu_seconds"] = _median_known(x.cpu_seconds for x in runs_of)
+        rows = _rows(sizes, repetitions, runs, stats, samples)
 
     results = {"model": {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": 8,
                          "kv_heads": 4, "head_dim": 128, "dtype": dtype}, "tls": tls, "repetitions": repetitions,
@@ -212,6 +179,49 @@ def run_bench_e2e(sizes: Sequence[int] = (1024, 4096, 8192), layers: int = 6, hi
     console.print(_time_table(results))
     write_outputs(console, results, json_out, plot, _plot)
     return results
+
+
+def _rows(sizes: Sequence[int], repetitions: int, runs: dict[str, dict], stats: dict[str, list[dict]],
+          samples: list[dict[str, list[BaselineRun]]]) -> list[dict]:
+    """One row per prompt size: its recompute, store and no-connector times, each mode's loads
+    (medians over ``repetitions``) and each baseline's samples.  ``runs``: each instance's
+    ``run_instance`` output (a warm-up, then the prompts in order, repetition after
+    repetition; the layerwise instance then recomputes each prompt under a salt); ``stats``: each
+    mode's load statistics, one line per load in the same order; ``samples``: per prompt, each
+    baseline's runs."""
+    rows = []
+    for i, n in enumerate(sizes):
+        recompute = runs["layerwise"]["results"][1 + repetitions * len(sizes) + i]
+        row = {"tokens": n, "recompute_ttft": recompute["ttft"], "recomputed_tokens": recompute["cached"],
+               "no_connector_ttft": runs["plain"]["results"][i + 1]["ttft"],
+               "store_ttft": runs["store"]["results"][i + 1]["ttft"]}
+        for mode in MODES:
+            # This prompt's repetitions: results after the warm-up, and the mode's load statistics
+            # (one line per load, in order; the warm-up loads nothing).
+            at = [r * len(sizes) + i for r in range(repetitions)]
+            res = [runs[mode]["results"][1 + j] for j in at]
+            loads = [stats[mode][j] for j in at]
+            if any(x["bytes"] != loads[0]["bytes"] for x in loads):
+                raise BenchError(f"{mode}: the loads of the {n}-token prompt moved different byte counts: "
+                                 f"{[x['bytes'] for x in loads]}")
+            row[mode] = {"ttft": statistics.median(x["ttft"] for x in res), "ttfts": [x["ttft"] for x in res],
+                         "loaded_tokens": min(x["cached"] for x in res),
+                         "identical": all(x["tokens"] == recompute["tokens"] for x in res),
+                         "load_bytes": loads[0]["bytes"],
+                         "load_seconds": statistics.median(x["seconds"] for x in loads),
+                         "load_seconds_each": [x["seconds"] for x in loads],
+                         "load_chunks": loads[0]["chunks"],
+                         "copy_seconds": max(x.get("copy_seconds", 0.0) for x in loads),
+                         "landed_bytes": min(x.get("landed_bytes", 0) for x in loads),
+                         # the loading thread: seconds on a CPU, and runnable waiting for one
+                         "thread_cpu_seconds": _median_known(x.get("thread_cpu_seconds") for x in loads),
+                         "thread_runqueue_seconds": _median_known(x.get("thread_runqueue_seconds") for x in loads)}
+        for name, runs_of in samples[i].items():
+            row[f"{name}_seconds"] = statistics.median(x.seconds for x in runs_of)
+            row[f"{name}_samples"] = len(runs_of)
+            row[f"{name}_cpu_seconds"] = _median_known(x.cpu_seconds for x in runs_of)
+        rows.append(row)
+    return rows
 
 
 def _median_known(values: Iterable[float | None]) -> float | None:
