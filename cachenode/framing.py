@@ -45,6 +45,7 @@ import numpy as np
 from kvring.common.errors import ErrorCode, KVRingError
 
 from .landing import Landing, Sink
+from .tlsstream import TlsStream
 
 MAGIC = b"KVR1"
 PREFIX = struct.Struct("<4sIHI")
@@ -60,6 +61,8 @@ LOW_WATER = 256 << 10
 _LOW_WATER_STEP = 64 << 10  # the mark is lowered in these steps as the payload's end nears
 _TLS_RECORD = 17 << 10  # the most of one record OpenSSL can hold, read but not yet returned
 WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+# TLS connections: a node's ``SSLSocket``, a client's ``TlsStream`` (records decrypted from memory).
+TLS_SOCKETS = (ssl.SSLSocket, TlsStream)
 
 
 class FramingError(KVRingError):
@@ -102,16 +105,19 @@ def pack(header: bytes, payloads: Sequence = ()) -> list:
 
 
 class SendQueue:
-    """Buffers waiting to go out on one non-blocking socket: views, never copies."""
+    """Buffers waiting to go out on one non-blocking socket: views, never copies.  ``records``:
+    the connection's ``TlsStream``, whose encrypted records the socket has not taken yet count
+    as this queue's (its owner keeps polling for ``POLLOUT`` until they are out)."""
 
-    __slots__ = ("views", "bytes")
+    __slots__ = ("views", "bytes", "records")
 
-    def __init__(self) -> None:
+    def __init__(self, records: TlsStream | None = None) -> None:
         self.views: deque[memoryview] = deque()
         self.bytes = 0
+        self.records = records
 
     def __bool__(self) -> bool:
-        return bool(self.views)
+        return bool(self.views) or (self.records is not None and self.records.unsent > 0)
 
     def add(self, frames: Sequence) -> None:
         for buf in frames:
@@ -124,7 +130,12 @@ class SendQueue:
         """Write what the socket takes now (``sendmsg``; over TLS, ``send`` of one buffer at a
         time, which TLS cuts into records anyway); raises ``ConnectionClosed``."""
         views = self.views
-        tls = isinstance(sock, ssl.SSLSocket)
+        tls = isinstance(sock, TLS_SOCKETS)
+        if self.records is not None:
+            try:
+                self.records.flush()
+            except OSError as exc:
+                raise ConnectionClosed(f"send failed: {exc}") from None
         while views:
             try:
                 sent = sock.send(views[0]) if tls else sock.sendmsg(list(itertools.islice(views, _IOV_MAX)))
@@ -213,24 +224,31 @@ class FrameReader:
         socket has more, so that a large message costs the caller's loop one turn per
         ``TLS_READ_BYTES``, not one per record.
 
-        Raises ``ConnectionClosed`` on EOF or a broken connection, ``FramingError`` on input
-        beyond the limits; returns ``[]`` if nothing could be read yet."""
+        Raises ``ConnectionClosed`` on EOF or a broken connection (a read that completed messages
+        first returns them, and the next one raises), ``FramingError`` on input beyond the
+        limits; returns ``[]`` if nothing could be read yet."""
         messages = self._read_once(sock)
-        if isinstance(sock, ssl.SSLSocket):
+        if isinstance(sock, TLS_SOCKETS):
             got = self.received
-            while self.received and (sock.pending() or got < TLS_READ_BYTES):
-                if self._target is not None:
-                    messages += self._fill_target_tls(sock, TLS_READ_BYTES - got)
-                elif self._sink is not None:
-                    messages += self._fill_sink_tls(sock, TLS_READ_BYTES - got)
-                else:
-                    messages += self._read_once(sock)
-                got += self.received
+            try:
+                while self.received and (sock.pending() or got < TLS_READ_BYTES):
+                    if self._target is not None:
+                        messages += self._fill_target_tls(sock, TLS_READ_BYTES - got)
+                    elif self._sink is not None:
+                        messages += self._fill_sink_tls(sock, TLS_READ_BYTES - got)
+                    else:
+                        messages += self._read_once(sock)
+                    got += self.received
+            except ConnectionClosed:
+                if not messages:
+                    raise
+                # The peer's last messages, then its end: these first, the end at the next read
+                # (a closed stream reads as closed again).
             self.received = got
         self._set_low_water(sock)
         return messages
 
-    def _fill_target_tls(self, sock: ssl.SSLSocket, budget: int) -> list[Message]:
+    def _fill_target_tls(self, sock: ssl.SSLSocket | TlsStream, budget: int) -> list[Message]:
         """Read TLS records straight into the payload being filled, up to ``budget`` bytes (and
         then what OpenSSL holds decrypted) or until the socket has none: one tight loop, since
         each call returns one record (16 KiB) at most.  ``SSLSocket.read`` is the documented
@@ -258,7 +276,7 @@ class FrameReader:
         self._take_target()
         return self._parse()
 
-    def _fill_sink_tls(self, sock: ssl.SSLSocket, budget: int) -> list[Message]:
+    def _fill_sink_tls(self, sock: ssl.SSLSocket | TlsStream, budget: int) -> list[Message]:
         """``_fill_target_tls`` for a payload received into its landing."""
         sink = self._sink
         read = sock.read
@@ -318,7 +336,7 @@ class FrameReader:
         left = (len(self._target) - self._filled if self._target is not None else
                 self._sink.size - self._sink.filled if self._sink is not None else None)
         if left is not None:
-            if isinstance(sock, ssl.SSLSocket):
+            if isinstance(sock, TLS_SOCKETS):
                 left -= _TLS_RECORD
             if left >= _LOW_WATER_STEP:
                 want = min(LOW_WATER, left - left % _LOW_WATER_STEP)

@@ -37,6 +37,7 @@ from kvring.common.records import split_data_addr
 from ..buffers import SlabPool
 from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, SendQueue, pack
 from ..landing import Landing
+from ..tlsstream import TlsStream
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Connection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:  # the handshake runs here, within ``timeout``
             try:
-                self.sock = tls.wrap_socket(self.sock)
+                self.sock = TlsStream(self.sock, tls)
             except (ssl.SSLError, OSError) as exc:
                 self.sock.close()
                 raise NodeUnavailable(f"TLS handshake with node {node_id} at {host}:{port} failed: {exc} (are "
@@ -96,7 +97,7 @@ class Connection:
         self.poller = select.poll()  # this socket alone, for POLLIN (reused: one wait costs one syscall)
         self.poller.register(self.sock.fileno(), select.POLLIN)
         self.reader = FrameReader(REPLY_LIMITS, allocate=buffers.take, eager=True)
-        self.out = SendQueue()
+        self.out = SendQueue(self.sock if isinstance(self.sock, TlsStream) else None)
         self.outstanding: set[int] = set()  # rids without their last reply yet
         self.streamed: set[int] = set()  # those whose reply is a stream (GET)
         self.heard = 0.0  # monotonic time of the last bytes received (or of the first request)
