@@ -125,20 +125,25 @@ def test_records_the_socket_has_not_taken_keep_the_queue_pending_until_they_are_
     """A piece of plaintext is taken whole, encrypted at once; what the socket cannot take yet
     (the node is not reading) stays in the stream, and the queue says it has more to send, so
     its owner polls for POLLOUT until the node has every byte."""
-    data = np.random.default_rng(2).bytes(SEND_PIECE)
+    rng = np.random.default_rng(2)
+    data = bytearray()
     reading = threading.Event()
 
     def serve(conn: ssl.SSLSocket) -> None:
-        reading.wait(20)
-        got = _recv_exactly(conn, len(data))
-        conn.sendall(hashlib.sha256(got).digest())
+        reading.wait(20)  # set once every piece is queued: ``data`` is whole then
+        conn.sendall(hashlib.sha256(_recv_exactly(conn, len(data))).digest())
 
     node = _Node(creds, serve)
     stream = _client(node.port, creds, sndbuf=16 << 10)
     queue = SendQueue(stream)
-    queue.add([data])
-    queue.write(stream)
-    assert not queue.views and stream.unsent > 0  # all taken, not all sent: the node is not reading
+    for _ in range(10_000):  # a piece at a time until the socket (the node not reading) is full
+        piece = rng.bytes(SEND_PIECE)
+        queue.add([piece])
+        data += piece
+        queue.write(stream)
+        if stream.unsent:
+            break
+    assert not queue.views and stream.unsent > 0  # every piece taken, not all of its records sent
     assert queue  # so the queue is not done
     with pytest.raises(ssl.SSLWantWriteError):
         stream.send(b"more")  # nothing new is taken before the earlier records are out
