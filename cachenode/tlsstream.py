@@ -1,12 +1,13 @@
 """A client's TLS connection whose records are decrypted from memory, not read by OpenSSL.
 
 ``ssl.SSLSocket`` lets OpenSSL read the socket: two ``recv`` calls for every record (its 5-byte
-header, then its body), and a record holds at most 16 KiB.  A load of an 8k-token prompt is
-hundreds of megabytes of records, so those calls are a fifth of the loading thread's CPU (an
-interleaved A/B of 768 frames of 128 KiB from 3 nodes: 0.80-0.82 of the loader's CPU with this
-stream, 1.18x its GB/s).  ``TlsStream`` reads the socket itself, up to ``RAW_READ`` bytes a
-call, into an ``ssl.MemoryBIO`` that OpenSSL decrypts from (``SSLContext.wrap_bio``), and
-encrypts into one that it sends from.
+header, then its body), and a record holds at most 16 KiB.  A load is many megabytes of records
+(100 MB for an 8k-token prompt of ``bench e2e``'s small model), so those calls cost the loading
+thread a quarter of its CPU: in an interleaved A/B of 768 frames of 128 KiB from 3 nodes into a
+paged cache, the loader took 0.76 of its CPU with this stream and moved 1.28x the GB/s.
+``TlsStream`` reads the socket itself, up to ``RAW_READ`` bytes a call, into an
+``ssl.MemoryBIO`` that OpenSSL decrypts from (``SSLContext.wrap_bio``), and encrypts into one
+that it sends from.  Nodes keep ``SSLSocket`` (their loop, ``server.py``, is built on it).
 
 It is the non-blocking ``SSLSocket`` that ``FrameReader`` and ``SendQueue`` use, in the calls
 they make:
