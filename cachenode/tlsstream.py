@@ -43,10 +43,10 @@ class TlsStream:
 
     __slots__ = ("sock", "_tls", "_incoming", "_outgoing", "_raw", "_unsent")
 
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_hostname: str | None = None) -> None:
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext) -> None:
         self.sock = sock
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=server_hostname)
+        self._tls = context.wrap_bio(self._incoming, self._outgoing)  # names unchecked: see common/tls.py
         self._unsent = memoryview(b"")
         while True:
             try:

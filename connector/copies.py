@@ -71,11 +71,13 @@ def _rows_needed(runs: list[tuple[int, int, int, int]], row0: int) -> int:
     return row0 + (runs[-1][0] + runs[-1][3] if runs else 0)
 
 
-_VIEWS_MAX = 4096  # cache tensors a ``HostCopies`` keeps views of (a worker's layers times heads), and runs it keeps places of
+# Cache tensors a ``HostCopies`` keeps views of (a worker's layers times heads), and slot runs it
+# keeps the byte ranges of.
+_VIEWS_MAX = 4096
 
 
 class _HostView(NamedTuple):
-    """A cache tensor's views, made once (``HostCopies._view``): the entry holds the tensor, so
+    """A cache tensor's views, made once (``HostCopies._host_view``): the entry holds the tensor, so
     its id is not reused while the entry lives."""
 
     kv: torch.Tensor
@@ -120,7 +122,8 @@ class HostCopies:
     def _numpy(self, kv: torch.Tensor) -> np.ndarray:
         return self._host_view(kv).ints
 
-    def _byte_spans(self, runs: list[tuple[int, int, int, int]], row0: int, v: _HostView) -> list[tuple[int, int]] | None:
+    def _byte_spans(self, runs: list[tuple[int, int, int, int]], row0: int,
+                    v: _HostView) -> list[tuple[int, int]] | None:
         """Where each run's slots are in ``v.flat``, computed once per runs (a load's are the same
         for every layer and head); ``None`` where the runs leave rows of the frame between them."""
         key = (id(runs), row0, v.block_bytes, v.row_bytes)

@@ -17,13 +17,11 @@ import numpy as np
 import pytest
 
 from kvring.cachenode.buffers import SlabPool
-from kvring.cachenode.client.transport import Connection
-from kvring.cachenode.framing import ConnectionClosed, FrameLimits, FrameReader, SendQueue, pack
+from kvring.cachenode.client.transport import REPLY_LIMITS, Connection
+from kvring.cachenode.framing import ConnectionClosed, FrameReader, SendQueue, pack
 from kvring.cachenode.tlsstream import SEND_PIECE, TlsStream
 from kvring.common.errors import NodeUnavailable
 from kvring.common.tls import generate
-
-LIMITS = FrameLimits(max_header=1 << 20, max_payloads=8, max_payload=64 << 20, max_total=64 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,7 @@ def _client(port: int, creds, sndbuf: int | None = None) -> TlsStream:
 
 
 def _read_messages(stream: TlsStream, count: int, timeout: float = 20) -> list:
-    reader, got = FrameReader(LIMITS, eager=True), []
+    reader, got = FrameReader(REPLY_LIMITS, eager=True), []
     end = time.monotonic() + timeout
     while len(got) < count and time.monotonic() < end:
         select.select([stream.fileno()], [], [], 0.2)
@@ -176,7 +174,7 @@ def test_the_peers_end_is_the_end_of_the_stream(creds, how):
 
     node = _Node(creds, serve)
     stream = _client(node.port, creds)
-    reader, got = FrameReader(LIMITS, eager=True), []
+    reader, got = FrameReader(REPLY_LIMITS, eager=True), []
     with pytest.raises(ConnectionClosed, match="closed by the peer"):
         for _ in range(100):
             select.select([stream.fileno()], [], [], 0.2)
@@ -225,7 +223,7 @@ def test_a_tampered_record_breaks_the_connection_and_never_delivers_its_bytes(cr
 
     threading.Thread(target=run_proxy, daemon=True).start()
     stream = _client(proxy.getsockname()[1], creds)
-    reader, delivered = FrameReader(LIMITS, eager=True), []
+    reader, delivered = FrameReader(REPLY_LIMITS, eager=True), []
     with pytest.raises(ConnectionClosed):
         for _ in range(200):
             select.select([stream.fileno()], [], [], 0.1)
