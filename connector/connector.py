@@ -130,7 +130,8 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_finished(finished_req_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        _, loaded = self._worker.get_finished(finished_req_ids)
+        idle = self.has_connector_metadata() and self._get_connector_metadata().idle
+        _, loaded = self._worker.get_finished(finished_req_ids, idle=idle)
         # With several KV-cache groups a failed load fails its request (recomputed whole).
         return KVConnectorTransferResults(finished_recving=set(loaded or ()), failed_recving=self._worker.failed_loads())
 

@@ -67,3 +67,6 @@ class ReqMeta:
 @dataclass
 class KVRingMetadata(KVConnectorMetadata):
     requests: list[ReqMeta] = field(default_factory=list)
+    # vLLM computes no token this step (its requests wait, e.g. for async loads): a worker
+    # with async loads in flight may block in get_finished until one ends (``IDLE_WAIT_S``).
+    idle: bool = False

@@ -265,7 +265,7 @@ class SchedulerSide:
         self.cost.step_started(scheduler_output.total_num_scheduled_tokens,
                                loads=bool(self._pending_load or self._async_loads))
         self.new_step()
-        meta = KVRingMetadata()
+        meta = KVRingMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         for req_id, (load, block_ids) in self._async_loads.items():
             meta.requests.append(self._req_meta(req_id, block_ids, load.end, load, None))
             self._loading[req_id] = set(block_ids[0])

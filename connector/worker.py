@@ -57,6 +57,12 @@ from .stats import Counters
 
 logger = logging.getLogger(__name__)
 
+# An idle step (vLLM computes nothing: its requests wait for async loads) blocks in
+# get_finished until a load ends, this long at most.  Without it vLLM's engine loop runs empty
+# steps back to back (~2 ms each on a CPU), contending with the loading threads for the GIL and
+# the cores; with it a request arriving meanwhile waits this much longer to be scheduled.
+IDLE_WAIT_S = 0.02
+
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -93,6 +99,7 @@ class _LoadJob:
         self.worker = worker
         self.layer_done = [threading.Event() for _ in worker.layer_names]
         self.finished = threading.Event()
+        self.ready = threading.Event()  # async: finished, and its copies in the cache (CUDA: synchronized)
         self.failed_blocks: set[int] = set()
         self.failed_reqs: set[str] = set()  # requests with a block that could not be loaded
         self.deadline = (time.monotonic() + max(r.load.deadline_s for r in requests)
@@ -325,6 +332,7 @@ class WorkerSide:
         # async mode: one job per request, a few at a time; req -> its job until get_finished
         self._async_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvring-async-load")
         self._async_jobs: dict[str, _LoadJob] = {}
+        self._async_ended = threading.Event()  # set when an async job ends (idle steps wait on it)
         self.counters = Counters()
         self.saves_failed = 0  # chunk parts
         self.parts_saved = 0
@@ -402,30 +410,37 @@ class WorkerSide:
         self._async_jobs[req.req_id] = job
 
         def run() -> None:
-            if job.deadline is not None and time.monotonic() > job.deadline:
-                return  # waited past its deadline for a free loader: get_finished abandons it
-            job.run()
-            self.copies.synchronize()  # on CUDA: its copies have landed before it is reported done
+            try:
+                if job.deadline is not None and time.monotonic() > job.deadline:
+                    return  # waited past its deadline for a free loader: get_finished abandons it
+                job.run()
+                self.copies.synchronize()  # on CUDA: its copies have landed before it is reported done
+                job.ready.set()
+            finally:
+                self._async_ended.set()
 
         self._async_pool.submit(run)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
         """async mode: the requests whose loads finished, or were abandoned past their deadline
-        (with several KV-cache groups, those that failed are also in ``failed_loads``)."""
+        (with several KV-cache groups, those that failed are also in ``failed_loads``).  ``idle``:
+        this step computed nothing, so it first waits for a load to end (``IDLE_WAIT_S`` at most)."""
         if not self._async_jobs and not self._unstarted:
             return None, None
+        if idle and not self._unstarted and not finished_req_ids & self._async_jobs.keys():
+            self._await_async()
         now = time.monotonic()
         done, self._unstarted = self._unstarted, set()
         if self.groups.several:
             self._failed_loads |= done - finished_req_ids
         for req_id, job in list(self._async_jobs.items()):
-            if not job.finished.is_set() and (req_id in finished_req_ids or
+            if not job.ready.is_set() and (req_id in finished_req_ids or
                                               (job.deadline is not None and now > job.deadline)):
                 job.abandon()  # past its deadline (or the request is gone): recompute its blocks
                 if req_id not in finished_req_ids:
                     logger.warning("kvring: load of request %s abandoned after %.2f s (deadline); its blocks "
                                    "recompute", req_id, time.perf_counter() - job.started)
-            if job.finished.is_set() or job.abandoned:
+            if job.ready.is_set() or job.abandoned:
                 if req_id not in finished_req_ids:  # an aborted request's blocks are freed, not recomputed
                     if not self.groups.several:
                         self._failed |= job.failed_blocks
@@ -434,6 +449,18 @@ class WorkerSide:
                 done.add(req_id)
                 del self._async_jobs[req_id]
         return None, done or None
+
+    def _await_async(self) -> None:
+        """Block until an async load ends: ``IDLE_WAIT_S`` at most, and never past a load's
+        deadline (get_finished abandons it then)."""
+        self._async_ended.clear()
+        jobs = self._async_jobs.values()
+        if any(job.ready.is_set() or job.abandoned for job in jobs):
+            return
+        now = time.monotonic()
+        wait = min([IDLE_WAIT_S, *(job.deadline - now for job in jobs if job.deadline is not None)])
+        if wait > 0:
+            self._async_ended.wait(wait)
 
     def failed_loads(self) -> set[str]:
         """Several KV-cache groups: the requests ``get_finished`` reported whose loads failed

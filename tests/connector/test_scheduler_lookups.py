@@ -352,3 +352,18 @@ def test_a_request_whose_adapter_cannot_be_read_recomputes(cluster):
         assert stats is None or stats.data["lookups"] == 0
     finally:
         client.close()
+
+
+def test_a_step_that_computes_nothing_is_marked_idle_for_the_workers(cluster):
+    """The metadata says when vLLM computes no token this step (its requests wait, e.g. for async
+    loads): the workers' get_finished may then block until a load ends instead of vLLM's loop
+    running empty steps back to back."""
+    sched, client = _scheduler(cluster)
+    try:
+        def step(tokens: int):
+            return SimpleNamespace(total_num_scheduled_tokens=tokens, scheduled_new_reqs=[], num_scheduled_tokens={},
+                                   scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+        assert sched.build_connector_meta(step(0)).idle
+        assert not sched.build_connector_meta(step(37)).idle
+    finally:
+        client.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -17,6 +18,7 @@ from kvring.common.errors import ContractMismatch
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
 from kvring.connector.parts import ChunkPart
+from kvring.connector import worker as worker_module
 from kvring.connector.worker import WorkerSide
 
 CHUNK, BLOCK, HEADS, CH, LAYERS, BLOCKS = 32, 16, 2, 8, 3, 64
@@ -164,6 +166,76 @@ def test_an_async_load_is_reported_through_get_finished(cluster_factory):
                                src[src_slots[t] // BLOCK, :, src_slots[t] % BLOCK]), (name, t)
     stats = loader.counters.take().data
     assert stats["loads"] == 1 and stats["failed_blocks"] == {"missing": 2} and stats["loaded_bytes"] > 0
+    for w in (saver, loader):
+        w.shutdown()
+        w.client.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_idle_step_waits_for_its_async_load_and_reports_it_when_it_ends(cluster_factory, monkeypatch, device):
+    """A step that computes nothing (its requests wait for loads) blocks in get_finished until a
+    load ends, so vLLM's engine loop does not spin against the loading threads; a step that
+    computes returns at once.  The node is stopped, so the load cannot end before it is resumed.
+    On CUDA the load is reported once its copies are synchronized."""
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 10.0)  # the wait ends with the load, not the bound
+    cluster = cluster_factory(nodes=1, memory=64 << 20)
+    keys = [bytes([i]) * 16 for i in range(30, 32)]
+    src_blocks, dst_blocks = list(range(8, 12)), list(range(50, 54))
+    saver = _saved(cluster, keys, src_blocks)
+    loader = _worker(cluster, "async")
+    loader.register_kv_caches(_caches(4, device))
+    node = cluster.nodes[0]
+    os.kill(node.pid, signal.SIGSTOP)
+    resume = threading.Timer(0.5, os.kill, (node.pid, signal.SIGCONT))
+    try:
+        load = LoadSpec(keys, start=0, write_from=0, end=2 * CHUNK, asynchronous=True, deadline_s=10.0)
+        loader.start_load_kv(KVRingMetadata([ReqMeta("d", _slots(dst_blocks, 2 * CHUNK), dst_blocks, load=load)]))
+        t0 = time.monotonic()
+        assert loader.get_finished(set(), idle=False) == (None, None)  # a step that computes: no wait
+        assert time.monotonic() - t0 < 0.4
+        resume.start()
+        _, recving = loader.get_finished(set(), idle=True)  # one idle step: it waits for the load
+        waited = time.monotonic() - t0
+    finally:
+        resume.cancel()
+        os.kill(node.pid, signal.SIGCONT)
+    assert recving == {"d"}
+    assert 0.5 <= waited < 5.0  # woken by the load's end: after the node resumed, long before the bound
+    assert loader.get_block_ids_with_load_errors() == set()
+    src_slots, dst_slots = _slots(src_blocks, 2 * CHUNK), _slots(dst_blocks, 2 * CHUNK)
+    for name in loader.layer_names:
+        src, dst = saver.kv_caches[name], loader.kv_caches[name]
+        assert torch.equal(dst[dst_slots // BLOCK, :, dst_slots % BLOCK].cpu(), src[src_slots // BLOCK, :, src_slots % BLOCK])
+    for w in (saver, loader):
+        w.shutdown()
+        w.client.close()
+
+
+def test_an_idle_step_waits_no_longer_than_an_async_loads_deadline(cluster_factory, monkeypatch):
+    """An idle step's wait ends at the earliest deadline: the load is abandoned and reported
+    then, every block failed, even though the bound on idle waits is longer."""
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 10.0)
+    cluster = cluster_factory(nodes=1, memory=64 << 20)
+    keys = [bytes([i]) * 16 for i in range(33, 35)]
+    dst_blocks = list(range(56, 60))
+    saver = _saved(cluster, keys, list(range(8, 12)))
+    loader = _worker(cluster, "async")
+    loader.register_kv_caches(_caches(5))
+    node = cluster.nodes[0]
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        load = LoadSpec(keys, start=0, write_from=0, end=2 * CHUNK, asynchronous=True, deadline_s=0.3)
+        t0 = time.monotonic()
+        loader.start_load_kv(KVRingMetadata([ReqMeta("e", _slots(dst_blocks, 2 * CHUNK), dst_blocks, load=load)]))
+        recving = None
+        while not recving and time.monotonic() - t0 < 5.0:
+            _, recving = loader.get_finished(set(), idle=True)
+        waited = time.monotonic() - t0
+        assert recving == {"e"}
+        assert 0.3 <= waited < 1.5  # at the deadline, not at the idle bound or the node timeout
+        assert loader.get_block_ids_with_load_errors() == set(dst_blocks)
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
     for w in (saver, loader):
         w.shutdown()
         w.client.close()
