@@ -207,6 +207,11 @@ class _LoadJob:
             # than taking their stall for their speed); the others' shares are measurements.
             self.worker.counters.transfers(self.meter.transfers(abandoned=True))
 
+    def fail_all(self, reason: str) -> None:
+        """Fail every block of the load, counted as ``reason`` (those failed already count once)."""
+        with self._lock:
+            self.worker.counters.failed(reason, sum(self._fail(i) for i in range(len(self.keys))))
+
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
         """Part ``i``'s request, its chunk's first token and the tokens ``[lo, hi)`` it writes."""
         owner = self.owner[i]
@@ -414,7 +419,11 @@ class WorkerSide:
                 if job.deadline is not None and time.monotonic() > job.deadline:
                     return  # waited past its deadline for a free loader: get_finished abandons it
                 job.run()
-                self.copies.synchronize()  # on CUDA: its copies have landed before it is reported done
+                try:
+                    self.copies.synchronize()  # on CUDA: its copies have landed before it is reported done
+                except Exception:  # whether they landed is unknown: recompute them all
+                    logger.exception("kvring: an async load's copies could not be synchronized; its blocks recompute")
+                    job.fail_all("error")
                 job.ready.set()
             finally:
                 self._async_ended.set()

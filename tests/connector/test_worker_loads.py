@@ -211,6 +211,30 @@ def test_an_idle_step_waits_for_its_async_load_and_reports_it_when_it_ends(clust
         w.client.close()
 
 
+def test_an_async_load_whose_copies_cannot_be_synchronized_recomputes_every_block(cluster_factory):
+    """If the copies cannot be synchronized (a CUDA error), whether they landed is unknown: the
+    request is reported done with every block failed, never as loaded and never left waiting."""
+    cluster = cluster_factory(nodes=1, memory=64 << 20)
+    keys = [bytes([i]) * 16 for i in range(36, 38)]
+    dst_blocks = list(range(60, 64))
+    saver = _saved(cluster, keys, list(range(8, 12)))
+    loader = _worker(cluster, "async")
+    loader.register_kv_caches(_caches(6))
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    loader.copies.synchronize = broken
+    load = LoadSpec(keys, start=0, write_from=0, end=2 * CHUNK, asynchronous=True, deadline_s=5.0)
+    loader.start_load_kv(KVRingMetadata([ReqMeta("f", _slots(dst_blocks, 2 * CHUNK), dst_blocks, load=load)]))
+    _finished(loader, "f", timeout=5)
+    assert loader.get_block_ids_with_load_errors() == set(dst_blocks)
+    assert loader.counters.take().data["failed_blocks"] == {"error": 4}
+    for w in (saver, loader):
+        w.shutdown()
+        w.client.close()
+
+
 def test_an_idle_step_waits_no_longer_than_an_async_loads_deadline(cluster_factory, monkeypatch):
     """An idle step's wait ends at the earliest deadline: the load is abandoned and reported
     then, every block failed, even though the bound on idle waits is longer."""
