@@ -360,9 +360,10 @@ def test_a_step_that_computes_nothing_is_marked_idle_for_the_workers(cluster):
     running empty steps back to back."""
     sched, client = _scheduler(cluster)
     try:
-        def step(tokens: int):
+        def step(tokens: int) -> SimpleNamespace:  # a SchedulerOutput with no new or running requests
             return SimpleNamespace(total_num_scheduled_tokens=tokens, scheduled_new_reqs=[], num_scheduled_tokens={},
                                    scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+
         assert sched.build_connector_meta(step(0)).idle
         assert not sched.build_connector_meta(step(37)).idle
     finally:

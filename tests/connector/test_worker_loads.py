@@ -15,10 +15,10 @@ import torch
 
 from kvring.cachenode.client import ClusterClient
 from kvring.common.errors import ContractMismatch
+from kvring.connector import worker as worker_module
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
 from kvring.connector.parts import ChunkPart
-from kvring.connector import worker as worker_module
 from kvring.connector.worker import WorkerSide
 
 CHUNK, BLOCK, HEADS, CH, LAYERS, BLOCKS = 32, 16, 2, 8, 3, 64
@@ -205,7 +205,8 @@ def test_an_idle_step_waits_for_its_async_load_and_reports_it_when_it_ends(clust
     src_slots, dst_slots = _slots(src_blocks, 2 * CHUNK), _slots(dst_blocks, 2 * CHUNK)
     for name in loader.layer_names:
         src, dst = saver.kv_caches[name], loader.kv_caches[name]
-        assert torch.equal(dst[dst_slots // BLOCK, :, dst_slots % BLOCK].cpu(), src[src_slots // BLOCK, :, src_slots % BLOCK])
+        assert torch.equal(dst[dst_slots // BLOCK, :, dst_slots % BLOCK].cpu(),
+                           src[src_slots // BLOCK, :, src_slots % BLOCK])
     for w in (saver, loader):
         w.shutdown()
         w.client.close()
