@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import select
 import socket
 import ssl
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 REPLY_LIMITS = FrameLimits(max_header=256 << 20, max_payloads=P.MAX_KEYS_PER_REQUEST, max_payload=16 << 30,
                            max_total=64 << 30)
 MAX_IDLE = 8  # idle connections kept per node
+UNSENT = math.inf  # ``Connection.heard`` of a request queued and not yet sent
 _rids = itertools.count(1)
 
 
@@ -100,7 +102,7 @@ class Connection:
         self.out = SendQueue(self.sock if isinstance(self.sock, TlsStream) else None)
         self.outstanding: set[int] = set()  # rids without their last reply yet
         self.streamed: set[int] = set()  # those whose reply is a stream (GET)
-        self.heard = 0.0  # monotonic time of the last bytes received (or of the first request)
+        self.heard = 0.0  # monotonic time of the last bytes received (or of the first request's sending)
 
     def stale(self) -> bool:
         """An idle connection with something to read has been closed (or broken) by the node:
@@ -228,7 +230,7 @@ class Exchange:
                 return msg.rid
         conn.out.add(pack(P.encode(msg), payloads))
         if not conn.outstanding:
-            conn.heard = time.monotonic()
+            conn.heard = UNSENT  # the node's silence counts from when ``events`` sends it
         conn.outstanding.add(msg.rid)
         if streamed:
             conn.streamed.add(msg.rid)
@@ -258,6 +260,9 @@ class Exchange:
                     except ConnectionClosed as exc:
                         self._break(conn, NodeUnavailable(f"node {conn.node_id}: {exc}"))
             now = time.monotonic()
+            for conn in live:
+                if conn.heard == UNSENT:
+                    conn.heard = now
             if readable:  # after a wake-up or a read that got bytes; not right after sending
                 progressed = False
                 for conn in live:
@@ -269,7 +274,9 @@ class Exchange:
                 live = [c for c in self._conns.values() if c.outstanding or c.out]
                 if not live or self._failed:
                     continue
-            silent = [c for c in live if now - c.heard >= self.timeout]
+            # Silent only if nothing came in the last look: a thread kept off a CPU past the
+            # timeout (a starved machine) reads what arrived meanwhile before blaming a node.
+            silent = [c for c in live if now - c.heard >= self.timeout] if readable else []
             for conn in silent:
                 self._break(conn, NodeUnavailable(f"node {conn.node_id} did not answer within {self.timeout:.1f}s"))
             if silent:
@@ -281,7 +288,7 @@ class Exchange:
                 poller = select.poll()
                 for conn in live:
                     poller.register(conn.sock.fileno(), select.POLLIN | (select.POLLOUT if conn.out else 0))
-            poller.poll(left * 1000)  # the next turn writes and reads every live connection
+            poller.poll(max(left, 0.0) * 1000)  # the next turn writes and reads every live connection
             readable = True
 
     def _read(self, conn: Connection) -> Iterator[Reply | Failure]:

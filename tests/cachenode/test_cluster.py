@@ -11,6 +11,8 @@ import psutil
 import pytest
 
 from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.client.transport import Exchange, Links, Reply, next_rid
+from kvring.common import protocol as P
 from kvring.common.chunk import DTYPE_SIZES, ChunkItem
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch
@@ -261,6 +263,24 @@ def test_a_hung_node_times_out_to_its_replica_and_its_late_replies_are_never_rea
             assert all(g is not None and np.array_equal(g.data, data[k]) for k, g in zip(keys, got))
             assert client.lookup(keys) == [True] * 64
         assert client.ping("node-0") < 5
+
+
+def test_a_client_kept_off_a_cpu_past_its_timeout_does_not_blame_the_node(cluster_factory):
+    """A request queued, then the calling thread kept from running for longer than the node
+    timeout before it pumps the exchange (a starved machine): the request goes out then, and the
+    node's answer is read; the node is not failed for a silence that was the client's."""
+    cluster = cluster_factory(nodes=1)
+    node = cluster.nodes[0]
+    links = Links(connect_timeout=5, buffer_pool_bytes=16 << 20)
+    links.update({node.node_id: node.data_addr})
+    try:
+        with Exchange(links, timeout=0.3) as ex:
+            ex.request(node.node_id, P.Lookup(rid=next_rid(), keys=[b"k" * 16]))
+            time.sleep(0.6)  # off a CPU between queueing the request and sending it
+            events = list(ex.events())
+        assert [type(e) for e in events] == [Reply] and isinstance(events[0].msg, P.LookupReply)
+    finally:
+        links.close()
 
 
 def test_a_chunk_missing_on_its_primary_is_found_and_read_on_its_replica(cluster_factory):

@@ -18,9 +18,11 @@ from kvring.local.cluster import LocalCluster
 CHUNK = 256
 TOKENS = 1100  # 4 whole chunks + 76 tokens
 LAYERS, LATENT = 2, 576  # write_tiny_deepseek: 2 layers, kv_lora_rank 512 + rope 64
-# This test is about what a load writes: neither a slow lookup nor admission may turn it into a
-# recompute (on this tiny model recomputing can be predicted faster than loading).
-CONNECTOR = {"load_admission": False, "lookup_deadline_ms": 10_000}
+# This test is about what a load writes: neither a slow lookup, nor a node kept off the CPUs
+# past the node timeout (a TP 2 engine's processes spin on both of this machine's cores), nor
+# admission may turn it into a recompute (on this tiny model recomputing can be predicted
+# faster than loading).
+CONNECTOR = {"load_admission": False, "lookup_deadline_ms": 10_000, "timeout": 30.0}
 
 
 @pytest.fixture(scope="module")
