@@ -171,6 +171,16 @@ def test_an_async_load_is_reported_through_get_finished(cluster_factory):
         w.client.close()
 
 
+def _async_pair(cluster, first: int, seed: int, device: str = "cpu") -> tuple[list[bytes], WorkerSide, WorkerSide]:
+    """Two chunks (keys from byte ``first``) saved from blocks 8-11, and an async worker with a
+    random cache of its own (``seed``) on ``device``."""
+    keys = [bytes([i]) * 16 for i in range(first, first + 2)]
+    saver = _saved(cluster, keys, list(range(8, 12)))
+    loader = _worker(cluster, "async")
+    loader.register_kv_caches(_caches(seed, device))
+    return keys, saver, loader
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_idle_step_waits_for_its_async_load_and_reports_it_when_it_ends(cluster_factory, monkeypatch, device):
     """A step that computes nothing (its requests wait for loads) blocks in get_finished until a
@@ -179,11 +189,8 @@ def test_an_idle_step_waits_for_its_async_load_and_reports_it_when_it_ends(clust
     On CUDA the load is reported once its copies are synchronized."""
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 10.0)  # the wait ends with the load, not the bound
     cluster = cluster_factory(nodes=1, memory=64 << 20)
-    keys = [bytes([i]) * 16 for i in range(30, 32)]
+    keys, saver, loader = _async_pair(cluster, 30, seed=4, device=device)
     src_blocks, dst_blocks = list(range(8, 12)), list(range(50, 54))
-    saver = _saved(cluster, keys, src_blocks)
-    loader = _worker(cluster, "async")
-    loader.register_kv_caches(_caches(4, device))
     node = cluster.nodes[0]
     os.kill(node.pid, signal.SIGSTOP)
     resume = threading.Timer(0.5, os.kill, (node.pid, signal.SIGCONT))
@@ -216,11 +223,8 @@ def test_an_async_load_whose_copies_cannot_be_synchronized_recomputes_every_bloc
     """If the copies cannot be synchronized (a CUDA error), whether they landed is unknown: the
     request is reported done with every block failed, never as loaded and never left waiting."""
     cluster = cluster_factory(nodes=1, memory=64 << 20)
-    keys = [bytes([i]) * 16 for i in range(36, 38)]
+    keys, saver, loader = _async_pair(cluster, 36, seed=6)
     dst_blocks = list(range(60, 64))
-    saver = _saved(cluster, keys, list(range(8, 12)))
-    loader = _worker(cluster, "async")
-    loader.register_kv_caches(_caches(6))
 
     def broken() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -241,11 +245,8 @@ def test_an_idle_step_waits_no_longer_than_an_async_loads_deadline(cluster_facto
     then, every block failed, even though the bound on idle waits is longer."""
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 10.0)
     cluster = cluster_factory(nodes=1, memory=64 << 20)
-    keys = [bytes([i]) * 16 for i in range(33, 35)]
+    keys, saver, loader = _async_pair(cluster, 33, seed=5)
     dst_blocks = list(range(56, 60))
-    saver = _saved(cluster, keys, list(range(8, 12)))
-    loader = _worker(cluster, "async")
-    loader.register_kv_caches(_caches(5))
     node = cluster.nodes[0]
     os.kill(node.pid, signal.SIGSTOP)
     try:
