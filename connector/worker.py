@@ -199,8 +199,7 @@ class _LoadJob:
             if self.finished.is_set() or self.abandoned:
                 return
             self.abandoned = True
-            failed = sum(self._fail(i) for i in range(len(self.keys)))
-            self.worker.counters.failed("abandoned", failed)
+            self._fail_every("abandoned")
             self.worker.counters.add(loads_abandoned=1, loads=1, loaded_bytes=self.nbytes, landed_bytes=self.landed,
                                      load_seconds=time.perf_counter() - self.started)
             # The nodes that had not finished failed it (admission distrusts them now, rather
@@ -210,7 +209,10 @@ class _LoadJob:
     def fail_all(self, reason: str) -> None:
         """Fail every block of the load, counted as ``reason`` (those failed already count once)."""
         with self._lock:
-            self.worker.counters.failed(reason, sum(self._fail(i) for i in range(len(self.keys))))
+            self._fail_every(reason)
+
+    def _fail_every(self, reason: str) -> None:  # holding ``_lock``
+        self.worker.counters.failed(reason, sum(self._fail(i) for i in range(len(self.keys))))
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
         """Part ``i``'s request, its chunk's first token and the tokens ``[lo, hi)`` it writes."""
@@ -444,7 +446,7 @@ class WorkerSide:
             self._failed_loads |= done - finished_req_ids
         for req_id, job in list(self._async_jobs.items()):
             if not job.ready.is_set() and (req_id in finished_req_ids or
-                                              (job.deadline is not None and now > job.deadline)):
+                                           (job.deadline is not None and now > job.deadline)):
                 job.abandon()  # past its deadline (or the request is gone): recompute its blocks
                 if req_id not in finished_req_ids:
                     logger.warning("kvring: load of request %s abandoned after %.2f s (deadline); its blocks "
