@@ -109,7 +109,7 @@ class Registration:
             return False
         fut = asyncio.run_coroutine_threadsafe(self.etcd.restart_requested(self.node_id), loop)
         try:
-            return bool(fut.result(timeout=timeout or self.settings.timeout * 2))
+            return bool(fut.result(timeout=timeout or self.settings.call_timeout))
         except Exception as exc:
             fut.cancel()
             logger.warning("cannot read this node's restart marker from etcd (%s): draining as usual", exc)

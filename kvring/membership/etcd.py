@@ -144,7 +144,7 @@ class Etcd:
         """Run ``fn(client)``; on failure drop the connection and raise ``MembershipError``."""
         client = await self.client()
         try:
-            return await asyncio.wait_for(fn(client), self.settings.timeout * 2)
+            return await asyncio.wait_for(fn(client), self.settings.call_timeout)
         except ContractMismatch:
             raise
         except Exception as exc:
@@ -240,7 +240,7 @@ class Etcd:
         try:
             watching = client.watch(key, start_revision=after + 1) if key is not None else \
                 client.watch_prefix(self.settings.key(""), start_revision=after + 1)
-            watch = await asyncio.wait_for(watching, self.settings.timeout * 2)
+            watch = await asyncio.wait_for(watching, self.settings.call_timeout)
         except Exception as exc:
             await self._drop(client)
             raise MembershipError(f"cannot watch etcd: {type(exc).__name__}: {exc}") from exc

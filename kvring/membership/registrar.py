@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 CLAIM_ATTEMPTS = 5
 
 
+def refresh_period(ttl: float) -> float:
+    """Seconds between lease refreshes under a ``ttl``-second lease, and between retries while
+    etcd cannot be reached."""
+    return max(ttl / 3, 0.2)
+
+
 async def _assume_alive(record: NodeRecord) -> bool:
     return True
 
@@ -125,7 +131,7 @@ class Registrar:
 
     async def run(self) -> None:
         """Refresh the lease forever; on any etcd failure, retry and register anew."""
-        period = max(self.ttl / 3, 0.2)
+        period = refresh_period(self.ttl)
         while True:
             try:
                 if self._lease is None:

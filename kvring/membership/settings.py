@@ -32,6 +32,11 @@ class EtcdSettings:
             raise ValueError("no etcd endpoint given; set --etcd host:port")
         return cls(endpoints=tuple(cleaned), **kw)
 
+    @property
+    def call_timeout(self) -> float:
+        """The longest one etcd request or watch set-up may take (connecting: ``timeout``)."""
+        return self.timeout * 2
+
     def key(self, *parts: str) -> bytes:
         return "/".join([self.prefix.rstrip("/"), self.cluster, *parts]).encode()
 

@@ -19,6 +19,7 @@ from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
 from kvring.common.errors import MembershipError
 from kvring.local.cluster import LocalCluster, LocalEtcd
+from kvring.membership.registrar import refresh_period
 from kvring.membership.settings import EtcdSettings
 
 REAL = Contract(chunk_size=64, replication=2)  # not the defaults (256, 1)
@@ -76,13 +77,12 @@ def test_a_client_finding_no_contract_fails_with_a_clear_error(etcd_server):
     assert time.monotonic() - started < 10
 
 
-def _rejoin_bound(ttl: float) -> float:
+def _rejoin_bound(settings: EtcdSettings, ttl: float) -> float:
     """How long a node may take to register again once etcd answers: a retry comes every
-    ``ttl / 3`` s, and one that began while etcd was still down can spend the connect timeout
-    and a call's (twice the timeout) before it fails; two such retries, and slack for a loaded
+    ``refresh_period(ttl)`` s, and one that began while etcd was still down can spend the
+    connect timeout and a call's before it fails; two such retries, and slack for a loaded
     2-core machine."""
-    timeout = EtcdSettings.timeout
-    return 2 * (timeout + 2 * timeout + ttl / 3) + 5
+    return 2 * (settings.timeout + settings.call_timeout + refresh_period(ttl)) + 5
 
 
 def test_etcd_wiped_the_contract_comes_back_and_nodes_stay_ready_while_it_is_down(caplog):
@@ -112,8 +112,8 @@ def test_etcd_wiped_the_contract_comes_back_and_nodes_stay_ready_while_it_is_dow
             watcher.start()
             recorded = wait_for(lambda: _etcd(cluster, lambda e: e.read_contract()), ttl + 5, "the contract back")
             assert recorded == REAL and time.monotonic() - wiped <= ttl + 5
-            wait_for(lambda: len((_etcd(cluster, lambda e: e.members()) or ({},))[0]) == 2, _rejoin_bound(ttl),
-                     "both nodes back")
+            rejoin = _rejoin_bound(EtcdSettings.parse(etcd.endpoint), ttl)  # the nodes' settings: the defaults
+            wait_for(lambda: len((_etcd(cluster, lambda e: e.members()) or ({},))[0]) == 2, rejoin, "both nodes back")
             assert client.wait_for_nodes(2, timeout=5, exact=True)
             watcher.join()
             assert min(rings) >= 1, rings  # never an empty ring while the nodes re-registered
