@@ -231,6 +231,7 @@ def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
                          "bare_tls_cpu_seconds": 0.012,
                          **{mode: dict(load) for mode in MODES}}]}
     results["rows"][0]["async"].update(thread_cpu_seconds=None, thread_runqueue_seconds=None)  # not Linux
+    results["rows"][0]["bulk"]["load_seconds_each"] = [0.04, 0.01, 0.005, 0.02]  # 0.5, 2, 4 and 1x the bare loop
     console = Console(record=True, width=300)
     console.print(_table(results))
     text = console.export_text()
@@ -244,9 +245,11 @@ def test_bench_e2e_table_and_plot_show_every_load_mode(tmp_path):
     console.print(_time_table(results))
     rows = [line.split("│")[1:-1] for line in console.export_text().splitlines() if line.count("│") > 2]
     cells = {r[1].strip(): [c.strip() for c in r] for r in rows if r[1].strip() in MODES}
-    for mode in ("layerwise", "bulk"):
-        assert cells[mode][2:] == ["0.010 s", "0.006 s", "0.001 s", "0.003 s", "0.60", "0.020 s | 1.20"]
-    assert cells["async"][2:] == ["0.010 s", "-", "-", "-", "-", "0.020 s | 1.20"]
+    # Each load over the bare loop's median: one load (2x) where only the median was recorded;
+    # bulk's four loads, 0.5-4x, as their median and inclusive quartiles.
+    for mode, spread in (("layerwise", "2.00 (2.00-2.00)"), ("bulk", "1.50 (0.88-2.50)")):
+        assert cells[mode][2:] == ["0.010 s", "0.006 s", "0.001 s", "0.003 s", "0.60", "0.020 s | 1.20", spread]
+    assert cells["async"][2:] == ["0.010 s", "-", "-", "-", "-", "0.020 s | 1.20", "2.00 (2.00-2.00)"]
     _plot(results, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
 

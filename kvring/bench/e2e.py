@@ -266,25 +266,39 @@ def _table(results: dict) -> Table:
 def _time_table(results: dict) -> Table:
     """Where each mode's load time went, on the thread that loads (``ThreadClock``): on a CPU,
     runnable but without one (the machine's cores busy elsewhere), and the rest blocked (on the
-    nodes' bytes, or a lock); its CPU per byte beside the bare TLS client's for the same bytes."""
+    nodes' bytes, or a lock); its CPU per byte beside the bare TLS client's for the same bytes; and
+    the spread of the loads against the bare TLS loop (each load's bandwidth over the loop's median:
+    the loop's samples are taken after the instance, not paired with its loads)."""
     table = Table(title="kvring bench e2e: where B's load time went, on the loading thread (medians; "
-                        "blocked: waiting for the nodes' bytes or a lock)")
+                        "blocked: waiting for the nodes' bytes or a lock), and each load over the bare TLS "
+                        "loop's median")
     for col in ("tokens", "mode", "load", "on a CPU", "runnable, no CPU", "blocked", "CPU ns/byte",
-                "bare TLS client (1 server): load | CPU ns/byte"):
+                "bare TLS client (1 server): load | CPU ns/byte", "load / bare TLS, each load: median (quartiles)"):
         table.add_column(col, justify="right")
     for r in results["rows"]:
-        bare_cpu = r.get("bare_tls_cpu_seconds")
+        bare_cpu, bare = r.get("bare_tls_cpu_seconds"), r.get("bare_tls_seconds")
         for mode in MODES:
             x = r[mode]
             cpu, waiting, nbytes = x.get("thread_cpu_seconds"), x.get("thread_runqueue_seconds"), x["load_bytes"]
             known = cpu is not None and waiting is not None
+            each = x.get("load_seconds_each") or [x["load_seconds"]]
             table.add_row(str(r["tokens"]), mode, f"{x['load_seconds']:.3f} s",
                           f"{cpu:.3f} s" if known else "-", f"{waiting:.3f} s" if known else "-",
                           f"{max(0.0, x['load_seconds'] - cpu - waiting):.3f} s" if known else "-",
                           f"{cpu / nbytes * 1e9:.2f}" if known and nbytes else "-",
-                          (f"{r['bare_tls_seconds']:.3f} s | " if r.get("bare_tls_seconds") else "- | ")
-                          + (f"{bare_cpu / nbytes * 1e9:.2f}" if bare_cpu is not None and nbytes else "-"))
+                          (f"{bare:.3f} s | " if bare else "- | ")
+                          + (f"{bare_cpu / nbytes * 1e9:.2f}" if bare_cpu is not None and nbytes else "-"),
+                          _quartiles_text([bare / t for t in each if t]) if bare else "-")
     return table
+
+
+def _quartiles_text(values: list[float]) -> str:
+    """A spread as the load table shows it: the median, then the quartiles (``inclusive``: within
+    the values measured; every value where there is one)."""
+    if not values:
+        return "-"
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return f"{q2:.2f} ({q1:.2f}-{q3:.2f})"
 
 
 def _plot(results: dict, path: Path) -> None:
