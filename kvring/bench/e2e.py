@@ -27,7 +27,8 @@ cores the nodes share with vLLM, the latter is what the same bytes cost from thr
 A second table says where each load's time went on the thread that loads (``ThreadClock``: on a
 CPU, runnable without one, blocked on the nodes or a lock), with its CPU per byte beside the bare
 TLS client's (1 server) for the same bytes: which part of a gap is kvring's own work and which is
-the machine's cores being busy elsewhere.
+the machine's cores being busy elsewhere; and each load's bandwidth over the bare TLS loop's median,
+as the median and quartiles of the loads (how far a mode's ratio spreads on a noisy machine).
 """
 
 from __future__ import annotations
