@@ -48,7 +48,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvring.bench.dataplane import ChunkSpec, PlainTcp, RawZmq
-from kvring.bench.report import grouped_bars, write_outputs
+from kvring.bench.report import grouped_bars, quartile_spread, write_outputs
 from kvring.bench.system import BenchError, Sharded
 from kvring.common.tls import generate
 from kvring.local.cluster import LocalCluster
@@ -289,17 +289,8 @@ def _time_table(results: dict) -> Table:
                           f"{cpu / nbytes * 1e9:.2f}" if known and nbytes else "-",
                           (f"{bare:.3f} s | " if bare else "- | ")
                           + (f"{bare_cpu / nbytes * 1e9:.2f}" if bare_cpu is not None and nbytes else "-"),
-                          _quartiles_text([bare / t for t in each if t]) if bare else "-")
+                          quartile_spread([bare / t for t in each if t], ".2f") if bare else "-")
     return table
-
-
-def _quartiles_text(values: list[float]) -> str:
-    """A spread as the load table shows it: the median, then the quartiles (``inclusive``: within
-    the values measured; every value where there is one)."""
-    if not values:
-        return "-"
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-    return f"{q2:.2f} ({q1:.2f}-{q3:.2f})"
 
 
 def _plot(results: dict, path: Path) -> None:

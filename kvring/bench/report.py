@@ -76,3 +76,12 @@ def summary(values: list[float]) -> dict[str, float]:
 def spread(s: dict[str, float], fmt: str) -> str:
     """A ``summary`` as "median (min-max)", each in format ``fmt``."""
     return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
+def quartile_spread(values: list[float], fmt: str) -> str:
+    """Repeated measurements as "median (lower quartile-upper quartile)", each in format ``fmt``
+    (``inclusive`` quartiles: within the values; a single value is all three); "-" for none."""
+    if not values:
+        return "-"
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return f"{q2:{fmt}} ({q1:{fmt}}-{q3:{fmt}})"
