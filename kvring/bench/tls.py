@@ -28,7 +28,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvring.bench.plain_tcp import PlainTcp
-from kvring.bench.report import grouped_bars, write_outputs
+from kvring.bench.report import grouped_bars, spread, summary, write_outputs
 from kvring.bench.system import ChunkSpec
 from kvring.common.chunk import ChunkItem
 from kvring.common.units import format_size
@@ -99,7 +99,7 @@ def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
 
 def spread_text(v: list[float]) -> str:
     """Measurements as a table shows them: the median, then the range."""
-    return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+    return spread(summary(v), ".2f")
 
 
 def ratio_text(r: dict[str, float]) -> str:
