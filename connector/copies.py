@@ -201,6 +201,11 @@ class HostCopies:
     def before_layer(self, layer: int) -> None:
         """Called on the compute thread before layer ``layer`` reads its cache."""
 
+    def order_before_forward(self) -> None:
+        """Called on the compute thread before the forward: every load copy this thread issued
+        lands before anything the forward then writes into the cache (a full hit's last chunk
+        holds slots whose K/V vLLM writes itself, and its write must be the last)."""
+
     def saved(self):
         """A handle for the save copies issued so far (``wait_saved`` blocks on it)."""
         return None
@@ -534,6 +539,9 @@ class BatchedCopies(HostCopies):
     def layer_loaded(self, layer: int) -> None:
         self._flush(self._pending())
 
+    def order_before_forward(self) -> None:
+        self._flush(self._pending())
+
     def discard(self) -> None:
         """Drop what the calling thread staged and did not send (an abandoned load: nothing it
         staged may land after the abandon)."""
@@ -658,6 +666,10 @@ class CudaCopies(BatchedCopies):
     def layer_loaded(self, layer: int) -> None:
         super().layer_loaded(layer)
         self._events[layer] = self._mark()
+
+    def order_before_forward(self) -> None:
+        super().order_before_forward()
+        torch.cuda.current_stream(self.device).wait_event(self._mark())
 
     def before_layer(self, layer: int) -> None:
         # A layer whose load failed part-way has no event of its own: wait for the whole load,

@@ -137,6 +137,102 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
         w.client.close()
 
 
+def _gated(monkeypatch, worker: WorkerSide, release: threading.Event, calls: list) -> None:
+    """Hold back every fetch the worker makes off the calling thread until ``release`` is set,
+    recording each fetch's thread and part keys."""
+    iter_layers = worker.client.iter_layers
+
+    def gated(keys, **kw):
+        calls.append((threading.current_thread() is threading.main_thread(), list(keys)))
+        if threading.current_thread() is not threading.main_thread():
+            assert release.wait(10)
+        yield from iter_layers(keys, **kw)
+
+    monkeypatch.setattr(worker.client, "iter_layers", gated)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_full_hits_last_chunk_is_written_before_the_forward_and_the_rest_behind_it(cluster_factory, monkeypatch,
+                                                                                     device):
+    """A layerwise load that reaches the token vLLM computes: that chunk, every layer of it, is in
+    the cache when ``start_load_kv`` returns (vLLM writes the computed token's K/V into its block
+    before it waits for a layer), while the chunks before it are still on their way and gate the
+    layers as any layerwise load does."""
+    cluster = cluster_factory(nodes=2, memory=64 << 20)
+    keys = [bytes([0x50 + i]) * 16 for i in range(4)]
+    src_blocks, dst_blocks = list(range(8, 16)), list(range(30, 38))
+    saver = _saved(cluster, keys, src_blocks)
+    loader = _worker(cluster, "layerwise")
+    loader.register_kv_caches(_caches(2, device))
+    before = {n: t.clone().cpu() for n, t in loader.kv_caches.items()}
+    release, calls = threading.Event(), []
+    _gated(monkeypatch, loader, release, calls)
+    load = LoadSpec(keys, start=0, write_from=0, end=4 * CHUNK, computed_from=4 * CHUNK - 1)
+    try:
+        loader.start_load_kv(KVRingMetadata([ReqMeta("h", _slots(dst_blocks, 4 * CHUNK), dst_blocks, load=load)]))
+        if device == "cuda":
+            torch.cuda.current_stream().synchronize()  # what the forward would see: ordered after the copies
+        assert calls[0] == (True, _parts(keys[3]))  # the last chunk, on the forward's thread
+        src_slots, dst_slots = _slots(src_blocks, 4 * CHUNK), _slots(dst_blocks, 4 * CHUNK)
+
+        def tokens(kv: dict, slots: np.ndarray, name: str, lo: int, hi: int) -> torch.Tensor:
+            return kv[name].cpu()[slots[lo:hi] // BLOCK, :, slots[lo:hi] % BLOCK]
+
+        for name in loader.layer_names:
+            assert torch.equal(tokens(loader.kv_caches, dst_slots, name, 3 * CHUNK, 4 * CHUNK),
+                               tokens(saver.kv_caches, src_slots, name, 3 * CHUNK, 4 * CHUNK)), name
+            assert torch.equal(tokens(loader.kv_caches, dst_slots, name, 0, 3 * CHUNK),
+                               tokens(before, dst_slots, name, 0, 3 * CHUNK)), name  # still on their way
+        assert not loader._load.layer_done[0].is_set()
+    finally:
+        release.set()
+    for name in loader.layer_names:
+        loader.wait_for_layer_load(name)
+    assert loader.get_block_ids_with_load_errors() == set()
+    assert [main for main, _ in calls] == [True, False]
+    assert sorted(calls[1][1]) == sorted(p for k in keys[:3] for p in _parts(k))
+    for name in loader.layer_names:
+        assert torch.equal(tokens(loader.kv_caches, dst_slots, name, 0, 4 * CHUNK),
+                           tokens(saver.kv_caches, src_slots, name, 0, 4 * CHUNK)), name
+    stats = loader.counters.take().data
+    assert stats["loads"] == 1 and stats["loaded_bytes"] == 4 * CHUNK * LAYERS * HEADS * CH * 2
+    for w in (saver, loader):
+        w.shutdown()
+        w.client.close()
+
+
+def test_a_full_hit_whose_last_chunk_fails_loads_nothing_behind_the_forward(cluster_factory, monkeypatch):
+    """The last chunk's fetch breaks (a node lost mid-read): every block of the load is reported
+    for recompute, and no fetch of the chunks before it is started behind the forward."""
+    cluster = cluster_factory(nodes=2, memory=64 << 20)
+    keys = [bytes([0x60 + i]) * 16 for i in range(4)]
+    src_blocks, dst_blocks = list(range(8, 16)), list(range(40, 48))
+    saver = _saved(cluster, keys, src_blocks)
+    loader = _worker(cluster, "layerwise")
+    loader.register_kv_caches(_caches(2))
+    before = {n: t.clone() for n, t in loader.kv_caches.items()}
+    calls = []
+
+    def broken(keys, **kw):
+        calls.append(list(keys))
+        raise ConnectionResetError("node lost")
+        yield
+
+    monkeypatch.setattr(loader.client, "iter_layers", broken)
+    load = LoadSpec(keys, start=0, write_from=0, end=4 * CHUNK, computed_from=4 * CHUNK - 1)
+    loader.start_load_kv(KVRingMetadata([ReqMeta("i", _slots(dst_blocks, 4 * CHUNK), dst_blocks, load=load)]))
+    for name in loader.layer_names:
+        loader.wait_for_layer_load(name)
+    assert loader.get_block_ids_with_load_errors() == set(dst_blocks)
+    assert calls == [_parts(keys[3])]
+    for name in loader.layer_names:
+        assert torch.equal(loader.kv_caches[name], before[name])
+    assert loader.counters.take().data["failed_blocks"] == {"error": 8}
+    for w in (saver, loader):
+        w.shutdown()
+        w.client.close()
+
+
 def test_connector_refuses_a_cluster_with_another_chunk_size(cluster_factory):
     from kvring.connector.connector import connect  # the connector's facade imports vLLM
 
