@@ -12,9 +12,7 @@ The copies themselves (host staging, scatter, gather; pinned buffers and a side 
 CUDA) are in ``copies.py``.
 
 Three load modes: ``layerwise`` (one job per step on a thread; layer ``l`` of every chunk
-gates ``wait_for_layer_load(l)``; a chunk that reaches the tokens vLLM computes in the step, a
-full hit's last, is loaded whole before the forward, since vLLM writes their K/V into its block
-before it waits for a layer), ``bulk`` (the whole job before the forward) and ``async``
+gates ``wait_for_layer_load(l)``), ``bulk`` (the whole job before the forward) and ``async``
 (one job per request on a pool, between steps: the request waits in vLLM's remote-KV state
 and is reported done by ``get_finished``; a load past its deadline is abandoned — no copy
 lands in its blocks after that — and its blocks recompute).
@@ -134,73 +132,22 @@ class _LoadJob:
                 self.chunks += 1
         # Layerwise loads gate layer l on layer l of every part: parts of one kind only.
         self.uniform = len({o.part.layers for o in self.owner}) <= 1
-        # The parts that write slots this step computes (a full hit's last chunk): loaded whole
-        # before the forward (``run_first``), since vLLM writes those tokens' K/V before it waits
-        # for a layer's load.  The rest may follow layer by layer behind the forward.
-        self.first = [i for i in range(len(self.keys)) if self._reaches_computed(i)]
-        self._fetched = np.zeros(len(self.keys), dtype=bool)
-        self._found: list = [None] * len(self.keys)
-        self._got = np.zeros((len(worker.layer_names), len(self.keys)), dtype=bool)
-        for i, owner in enumerate(self.owner):
-            self._got[len(owner.part.layers):, i] = True  # layers a part does not have
-        self._unusable: set[int] = set()
-        self._error = False
-
-    @property
-    def rest(self) -> bool:
-        """Whether parts are left that ``run_first`` did not fetch."""
-        return not self._fetched.all()
-
-    def run_first(self) -> None:
-        """Fetch and write every layer of the ``first`` parts, on the calling thread."""
-        clock = ThreadClock()
-        self._fetch(self.first)
-        self._add_times(clock)
 
     def run(self) -> None:
-        """Fetch and write every part not fetched yet, then settle the job: fail what did not
-        load, release every layer's waiter and record the load."""
         clock = ThreadClock()
-        self._fetch(np.flatnonzero(~self._fetched).tolist())
-        got, found = self._got, self._found
         w = self.worker
-        with self._lock:
-            if not self.abandoned:  # an abandoned load's blocks were reported when it was abandoned
-                for i, meta in enumerate(found):
-                    if self._error or meta is None or not got[:, i].all():
-                        reason = "error" if self._error else "unusable" if i in self._unusable else "missing"
-                        w.counters.failed(reason, self._fail(i))
-            else:  # nothing it staged may land after the abandon (batched copies send at flushes)
-                w.copies.discard()
-            w.copies.layer_loaded(-1)
-            self.seconds = time.perf_counter() - self.started
-            self._add_times(clock)
-            for event in self.layer_done:
-                event.set()
-            self.finished.set()
-        self.worker.record_load(self)
-
-    def _add_times(self, clock: ThreadClock) -> None:
-        times = clock.elapsed()
-        self.thread_times = times if self.thread_times is None or times is None else self.thread_times + times
-
-    def _fetch(self, indices: list[int]) -> None:
-        """Fetch parts ``indices`` (of ``keys``) and write them into the cache, releasing layer
-        ``l``'s waiter once layer ``l`` of every part of the job is in."""
-        self._fetched[indices] = True
-        if not indices or self._error:
-            return
-        w = self.worker
-        got, unusable = self._got, self._unusable
-        found: list = [None] * len(indices)
+        found: list = [None] * len(self.keys)
+        got = np.zeros((len(w.layer_names), len(self.keys)), dtype=bool)
+        for i, owner in enumerate(self.owner):
+            got[len(owner.part.layers):, i] = True  # layers a part does not have
+        unusable: set[int] = set()
+        error = False
         try:
-            for batch in w.client.iter_layers([self.keys[i] for i in indices], found=found, meter=self.meter,
-                                              place=lambda j, layer, size: self._place(indices[j], layer, size)):
+            for batch in w.client.iter_layers(self.keys, found=found, meter=self.meter, place=self._place):
                 if self.abandoned:
                     break
                 layer = batch.layer
-                for j, view in zip(batch.indices, batch.views):
-                    i = indices[j]
+                for i, view in zip(batch.indices, batch.views):
                     if isinstance(view, Landed):  # received into the cache already, and checked
                         got[layer, i] = True
                         self.nbytes += view.nbytes
@@ -229,9 +176,22 @@ class _LoadJob:
                     self.layer_done[layer].set()
         except Exception:
             logger.exception("kvring load failed; the affected blocks will be recomputed")
-            self._error = True
-        for j, i in enumerate(indices):
-            self._found[i] = found[j]
+            error = True
+        with self._lock:
+            if not self.abandoned:  # an abandoned load's blocks were reported when it was abandoned
+                for i, meta in enumerate(found):
+                    if error or meta is None or not got[:, i].all():
+                        reason = "error" if error else "unusable" if i in unusable else "missing"
+                        w.counters.failed(reason, self._fail(i))
+            else:  # nothing it staged may land after the abandon (batched copies send at flushes)
+                w.copies.discard()
+            w.copies.layer_loaded(-1)
+            self.seconds = time.perf_counter() - self.started
+            self.thread_times = clock.elapsed()
+            for event in self.layer_done:
+                event.set()
+            self.finished.set()
+        self.worker.record_load(self)
 
     def abandon(self) -> None:
         """Stop copying (an in-flight copy finishes first) and fail every block not yet loaded."""
@@ -253,11 +213,6 @@ class _LoadJob:
 
     def _fail_every(self, reason: str) -> None:  # holding ``_lock``
         self.worker.counters.failed(reason, sum(self._fail(i) for i in range(len(self.keys))))
-
-    def _reaches_computed(self, i: int) -> bool:
-        """Whether part ``i`` writes a slot of a token vLLM computes in this step."""
-        req, _, lo, hi = self._tokens(i)
-        return req.load.computed_from is not None and lo < hi and hi > req.load.computed_from
 
     def _tokens(self, i: int) -> tuple[ReqMeta, int, int, int]:
         """Part ``i``'s request, its chunk's first token and the tokens ``[lo, hi)`` it writes."""
@@ -447,19 +402,17 @@ class WorkerSide:
         self.copies.reset()
         job = _LoadJob(self, loads)
         self._load = job
-        if self.config.load_mode != "bulk":
-            # A full hit's last chunk (slots this step computes) is written before the forward,
-            # the rest layer by layer behind it.
-            if job.first:
-                job.run_first()
-                self.copies.order_before_forward()
-            if job.rest:
-                self._load_thread = threading.Thread(target=job.run, name="kvring-load", daemon=True)
-                self._load_thread.start()
-                return
-        job.run()
-        self._failed |= job.failed_blocks
-        self.copies.order_before_forward()
+        # A load that reaches slots this step computes (a full hit's last block) is written
+        # before the forward: vLLM writes those tokens' K/V before it waits for a layer's load
+        # (on CUDA the forward's stream is ordered after the load's copies, its writes last).
+        if self.config.load_mode == "bulk" or any(r.load.computed_from is not None and r.load.end > r.load.computed_from
+                                                  for r in loads):
+            job.run()
+            self._failed |= job.failed_blocks
+            self.copies.order_before_forward()
+        else:
+            self._load_thread = threading.Thread(target=job.run, name="kvring-load", daemon=True)
+            self._load_thread.start()
 
     def _start_async(self, req: ReqMeta) -> None:
         job = _LoadJob(self, [req])

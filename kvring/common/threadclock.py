@@ -25,9 +25,6 @@ class ThreadTimes(NamedTuple):
     def __sub__(self, other: ThreadTimes) -> ThreadTimes:  # type: ignore[override]
         return ThreadTimes(self.on_cpu - other.on_cpu, self.waiting - other.waiting)
 
-    def __add__(self, other: ThreadTimes) -> ThreadTimes:  # type: ignore[override]
-        return ThreadTimes(self.on_cpu + other.on_cpu, self.waiting + other.waiting)
-
 
 def thread_times() -> ThreadTimes | None:
     """The calling thread's times so far (``None`` where the kernel does not keep them)."""

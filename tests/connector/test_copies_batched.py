@@ -2,7 +2,8 @@
 scatter and gather as ``CudaCopies``, without pinned memory, streams and events) and, where a GPU
 is present, on CUDA: whole steps of several requests and chunks, a partial last chunk, offsets into
 the frames, staging buffers reused across steps, a layer whose load failed (flushed by
-``layer_loaded(-1)``), frames of several cache storages in one flush, a staging buffer that fills
+``layer_loaded(-1)``), a load ordered before the forward's own writes, frames of several cache
+storages in one flush, a staging buffer that fills
 up, layouts that are not rows of C, saves into evenly spaced and scattered buffers."""
 
 from __future__ import annotations
@@ -122,6 +123,33 @@ def test_a_failed_layer_is_flushed_by_the_end_of_the_load(device):
         copies.before_layer(layer)
     copies.synchronize()
     assert torch.equal(_bits(dev_raw), _bits(step.expect(raw, layers, heads, C, "LBNHC")))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_loads_copies_land_before_what_the_forward_then_writes(device):
+    """A load written before the forward (bulk, a full hit) reaches slots vLLM computes in the
+    step: after ``order_before_forward`` on the compute thread, a write the forward makes into
+    such a slot (on the compute stream) lands after every copy of the load, and stays."""
+    layers, heads = 2, 2
+    rng = np.random.default_rng(9)
+    raw = torch.randn(layers * BLOCKS * heads * BS * C).to(torch.bfloat16)
+    dev_raw = raw.to(device)
+    views = _views(dev_raw, layers, heads, C, "LBNHC")
+    copies = _copies(device)
+    step = Step(rng, layers, heads, C, [CHUNK * 3], [0])
+    copies.reset()
+    step.load(copies, views, heads, flush_layers=False)  # staged, not yet sent
+    copies.order_before_forward()
+    last = int(step.chunks[-1][0][-1])  # the computed token's slot, in the load's last block
+    computed = torch.full((heads, C), 7.0, dtype=torch.bfloat16)
+    for kv in views:
+        kv[last // BS, :, last % BS] = computed.to(device)  # the forward's own write of its K/V
+    copies.layer_loaded(-1)
+    copies.synchronize()
+    want = step.expect(raw, layers, heads, C, "LBNHC")
+    for kv in _views(want, layers, heads, C, "LBNHC"):
+        kv[last // BS, :, last % BS] = computed
+    assert torch.equal(_bits(dev_raw), _bits(want))
 
 
 @pytest.mark.parametrize("device", DEVICES)
