@@ -3,8 +3,8 @@ scatter and gather as ``CudaCopies``, without pinned memory, streams and events)
 is present, on CUDA: whole steps of several requests and chunks, a partial last chunk, offsets into
 the frames, staging buffers reused across steps, a layer whose load failed (flushed by
 ``layer_loaded(-1)``), a load ordered before the forward's own writes, frames of several cache
-storages in one flush, a staging buffer that fills
-up, layouts that are not rows of C, saves into evenly spaced and scattered buffers."""
+storages in one flush, a staging buffer that fills up, layouts that are not rows of C, saves into
+evenly spaced and scattered buffers."""
 
 from __future__ import annotations
 
