@@ -103,20 +103,26 @@ def test_steps_of_several_requests_reuse_staging_and_match_a_per_token_reference
     assert copies._staging <= 2  # one buffer per layer in flight at most, reused across steps
 
 
+def _staged(device: str, layers: int, heads: int, tokens: list[int], seed: int):
+    """A random cache (on the CPU, and its copy on ``device``), its copier and one request's load
+    of ``tokens`` staged into it without a layer's flush (as an async, hybrid or bulk job's):
+    ``(raw, dev_raw, copies, step)``."""
+    raw = torch.randn(layers * BLOCKS * heads * BS * C).to(torch.bfloat16)
+    dev_raw = raw.to(device)
+    copies = _copies(device)
+    step = Step(np.random.default_rng(seed), layers, heads, C, tokens, [0])
+    copies.reset()
+    step.load(copies, _views(dev_raw, layers, heads, C, "LBNHC"), heads, flush_layers=False)
+    return raw, dev_raw, copies, step
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_failed_layer_is_flushed_by_the_end_of_the_load(device):
     """A layer missing a part gets no ``layer_loaded``: what it staged goes with the next flush,
     ``layer_loaded(-1)`` sends whatever is still staged, and ``before_layer`` of the failed layer
     waits for the whole load."""
     layers, heads = 3, 2
-    rng = np.random.default_rng(7)
-    raw = torch.randn(layers * BLOCKS * heads * BS * C).to(torch.bfloat16)
-    dev_raw = raw.to(device)
-    views = _views(dev_raw, layers, heads, C, "LBNHC")
-    copies = _copies(device)
-    step = Step(rng, layers, heads, C, [50], [0])
-    copies.reset()
-    step.load(copies, views, heads, flush_layers=False)  # as an async or hybrid job: no layer flushes
+    raw, dev_raw, copies, step = _staged(device, layers, heads, [50], seed=7)
     assert not torch.equal(_bits(dev_raw), _bits(step.expect(raw, layers, heads, C, "LBNHC")))
     copies.layer_loaded(-1)
     for layer in range(layers):
@@ -131,18 +137,11 @@ def test_a_loads_copies_land_before_what_the_forward_then_writes(device):
     step: after ``order_before_forward`` on the compute thread, a write the forward makes into
     such a slot (on the compute stream) lands after every copy of the load, and stays."""
     layers, heads = 2, 2
-    rng = np.random.default_rng(9)
-    raw = torch.randn(layers * BLOCKS * heads * BS * C).to(torch.bfloat16)
-    dev_raw = raw.to(device)
-    views = _views(dev_raw, layers, heads, C, "LBNHC")
-    copies = _copies(device)
-    step = Step(rng, layers, heads, C, [CHUNK * 3], [0])
-    copies.reset()
-    step.load(copies, views, heads, flush_layers=False)  # staged, not yet sent
+    raw, dev_raw, copies, step = _staged(device, layers, heads, [CHUNK * 3], seed=9)
     copies.order_before_forward()
     last = int(step.chunks[-1][0][-1])  # the computed token's slot, in the load's last block
     computed = torch.full((heads, C), 7.0, dtype=torch.bfloat16)
-    for kv in views:
+    for kv in _views(dev_raw, layers, heads, C, "LBNHC"):
         kv[last // BS, :, last % BS] = computed.to(device)  # the forward's own write of its K/V
     copies.layer_loaded(-1)
     copies.synchronize()
