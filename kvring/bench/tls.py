@@ -94,7 +94,7 @@ def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
     machine whose speed drifts between rounds, the rounds' own ratios are steadier than a ratio
     of medians taken from different rounds."""
     r = [x / y for x, y in zip(a, b, strict=True)]
-    return {"median": round(statistics.median(r), 3), "min": round(min(r), 3), "max": round(max(r), 3)}
+    return {k: round(v, 3) for k, v in summary(r).items()}
 
 
 def spread_text(v: list[float]) -> str:
@@ -104,7 +104,7 @@ def spread_text(v: list[float]) -> str:
 
 def ratio_text(r: dict[str, float]) -> str:
     """A ``paired_ratio`` as a table shows it: the median, then the range."""
-    return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+    return spread(r, ".2f")
 
 
 def _measure(etcd: str, s: TlsSettings, gbps: dict, console: Console) -> None:
