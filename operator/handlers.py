@@ -12,7 +12,9 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
   (``<name>-tls`` when TLS is on, ``<name>-node-token``), never rewriting them; render, adopt and
   create-or-patch every other child; delete the optional children it made that the spec no
   longer wants (NetworkPolicies turned off, the event stream turned off).
-- ``observe`` (timer): read the StatefulSet, the members and the event stream's record in etcd
+- ``observe`` (timer): once ``reconcile`` is done with the current spec, create again any child
+  deleted outside the operator and delete an optional one the spec does not want (a warning
+  event says which); read the StatefulSet, the members and the event stream's record in etcd
   (one read) and the nodes' ``/stats``;
   finish a scale-in once its nodes are drained or its timeout passed; with a disk tier, step
   the rolling update on (``rollout``: restart markers in etcd, the StatefulSet's partition);
@@ -74,6 +76,26 @@ def etcd_target(name: str, namespace: str, spec: ClusterSpec | None,
         return tuple(extra["etcd"].split(",")), extra["cluster"]
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def once_secrets(name: str, namespace: str, spec: ClusterSpec) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    """The Secrets made once per cluster, each with the maker of its only version (fresh random
+    content): ``<name>-tls`` when TLS is on, ``<name>-node-token``."""
+    made: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    if spec.tls:
+        made.append((render.tls_secret(name),
+                     lambda: render.render_tls_secret(name, namespace, credentials_pem(f"{namespace}/{name}"))))
+    made.append((render.node_token_secret(name),
+                 lambda: render.render_node_token_secret(name, namespace, secrets.token_hex(32))))
+    return made
+
+
+def reconciled(meta: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """Whether ``reconcile`` has finished for the object's current spec and it is not being
+    deleted: until then a child may be missing only because it is still to be made (or to go)."""
+    generation = meta.get("generation")
+    return (meta.get("deletionTimestamp") is None and generation is not None
+            and status.get("observedGeneration") == generation)
 
 
 class CacheClusterHandlers:
@@ -170,13 +192,8 @@ class CacheClusterHandlers:
             children = children[:-1]
         elif cs.disk is not None:  # a new pod template is held; the status timer rolls it pod by pod
             children[-1]["spec"]["updateStrategy"] = render.update_strategy(cs, rollout.held_partition(sts, children[-1]))
-        if cs.tls:
-            results.append(("Secret", render.tls_secret(name), await self._ensure_secret(
-                namespace, body, render.tls_secret(name),
-                lambda: render.render_tls_secret(name, namespace, credentials_pem(f"{namespace}/{name}")))))
-        results.append(("Secret", render.node_token_secret(name), await self._ensure_secret(
-            namespace, body, render.node_token_secret(name),
-            lambda: render.render_node_token_secret(name, namespace, secrets.token_hex(32)))))
+        for secret_name, make in once_secrets(name, namespace, cs):
+            results.append(("Secret", secret_name, await self._ensure_secret(namespace, body, secret_name, make)))
         for child in children:
             kopf.adopt(child, owner=body)
             try:
@@ -186,17 +203,10 @@ class CacheClusterHandlers:
                 raise kopf.TemporaryError(str(exc), delay=60) from exc
             except KubeError as exc:
                 raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
-        # Children the spec no longer wants (NetworkPolicies turned off or for an etcd no longer
-        # managed, the event stream turned off) go, if they are the CacheCluster's own.
-        kept = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
-        for api_version, kind, obj in render.optional_children(name):
-            if (api_version, kind, obj) in kept:
-                continue
-            try:
-                if await self.kube.delete_owned(api_version, kind, namespace, obj, body.metadata.uid):
-                    results.append((kind, obj, "deleted"))
-            except KubeError as exc:
-                raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
+        try:
+            results += [(kind, obj, "deleted") for kind, obj in await self._delete_unwanted(name, namespace, children, body)]
+        except KubeError as exc:
+            raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
         changed = [f"{kind} {obj} {what}" for kind, obj, what in results if what != "unchanged"]
         if changed:
             logger.info("children: %s", "; ".join(changed))
@@ -213,6 +223,20 @@ class CacheClusterHandlers:
                                                if problem else st.Condition("ConfigMismatch", False, "SpecValid")],
                                               generation, st.now_iso()),
         })
+
+    async def _delete_unwanted(self, name: str, namespace: str, wanted: list[dict[str, Any]],
+                               body: kopf.Body) -> list[tuple[str, str]]:
+        """Delete the children a spec may or may not want (NetworkPolicies turned off or for an
+        etcd no longer managed, the event stream turned off) that ``wanted`` lacks, if they are
+        the CacheCluster's own; (kind, name) of each one deleted."""
+        assert self.kube is not None
+        kept = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in wanted}
+        deleted = []
+        for api_version, kind, obj in render.optional_children(name):
+            if ((api_version, kind, obj) not in kept
+                    and await self.kube.delete_owned(api_version, kind, namespace, obj, body.metadata.uid)):
+                deleted.append((kind, obj))
+        return deleted
 
     async def _ensure_secret(self, namespace: str, body: kopf.Body, secret_name: str,
                              make: Callable[[], dict[str, Any]]) -> str:
@@ -297,6 +321,8 @@ class CacheClusterHandlers:
             return
 
         assert self.kube is not None
+        if reconciled(meta, status):
+            await self._converge_children(name, namespace, cs, body, logger)
         target = etcd_target(name, namespace, cs, None)
         sts = await self._get_statefulset(name, namespace)
         members, revision, pool_events, etcd_error = await self._members(self.etcd(target))
@@ -320,6 +346,53 @@ class CacheClusterHandlers:
         update = st.changed_fields(status, new, whole=True)
         if update:
             patch.status.update(update)
+
+    async def _converge_children(self, name: str, namespace: str, cs: ClusterSpec, body: kopf.Body,
+                                 logger: logging.Logger) -> str:
+        """Create the children the spec wants that are gone (deleted by hand, or by a tool), as
+        ``reconcile`` would make them anew, and delete the optional ones it no longer wants;
+        returns the account of what it did (empty: nothing), which a warning event carries too.
+
+        Only missing ones, and only by creating: a spec update's ``reconcile`` may be running
+        beside this pass, and a create cannot undo its patches (whichever creates first stands,
+        the other gets a conflict and the update's patch follows).  A pass that read the spec
+        before such an update may recreate an optional child the update has just deleted; the
+        next pass, reading the new spec, deletes it again.  A child of that name that another
+        owner holds is not missing (``reconcile`` reports it as ``NameTaken``).  A recreated
+        ``<name>-tls`` or ``<name>-node-token`` holds new content: pods started before keep what
+        they read then until they restart.  One GET per child and pass."""
+        assert self.kube is not None
+        wanted = render.render_children(name, namespace, cs, operator_namespace=self.config.own_namespace)
+        made_once = once_secrets(name, namespace, cs)
+        recreated: list[str] = []
+        deleted: list[tuple[str, str]] = []
+        try:
+            found = await asyncio.gather(
+                *(self.kube.get("v1", "Secret", namespace, secret_name) for secret_name, _ in made_once),
+                *(self.kube.get(c["apiVersion"], c["kind"], namespace, c["metadata"]["name"]) for c in wanted))
+            for (secret_name, make), obj in zip(made_once, found):
+                if obj is None and await self._ensure_secret(namespace, body, secret_name, make) == "created":
+                    recreated.append(f"Secret {secret_name}")
+            for child, obj in zip(wanted, found[len(made_once):]):
+                if obj is None:
+                    kopf.adopt(child, owner=body)
+                    try:
+                        await self.kube.create(child)
+                    except KubeError as exc:
+                        if exc.status != 409:  # 409: made meanwhile (a reconcile): that one stands
+                            raise
+                        continue
+                    recreated.append(f"{child['kind']} {child['metadata']['name']}")
+            deleted = await self._delete_unwanted(name, namespace, wanted, body)
+        except (KubeError, kopf.TemporaryError) as exc:  # the API did not answer: the next pass goes on
+            logger.warning("cannot check or restore the children now: %s", exc)
+        message = "; ".join(
+            [*([f"recreated {', '.join(recreated)} (deleted outside the operator)"] if recreated else []),
+             *([f"deleted {', '.join(f'{k} {o}' for k, o in deleted)} (not in the spec)"] if deleted else [])])
+        if message:
+            logger.warning("%s", message)
+            kopf.warn(body, reason="ChildrenRestored", message=message)
+        return message
 
     async def _members(self, etcd: Etcd) -> tuple[dict[str, st.Member] | None, int, PoolEventsRecord | None, str]:
         """(members, revision, the event stream's record, error) from one read of the cluster's

@@ -219,6 +219,62 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
     assert "Resuming is processed: 1 succeeded" in runner.output
 
 
+def test_children_changed_by_hand_are_put_back_within_a_pass_and_an_event_says_which(kube, etcd_server):
+    """Children deleted outside the operator (``kubectl delete``, a cleanup script) are made again
+    at the next status pass, as the spec renders them and owned as before, and nothing else is
+    touched; a child of that name that someone else has taken over is left to them; an optional
+    child the spec does not want, if the CacheCluster owns it, goes."""
+    api = kube.api
+    name = "drift"
+    gone = {"StatefulSet": path("apps/v1", "statefulsets", name), "Service": path("v1", "services", name),
+            "ConfigMap": path("v1", "configmaps", f"{name}-config"),
+            "Secret node-token": path("v1", "secrets", f"{name}-node-token")}
+    with operator():
+        cr = api.create(cc_path(), cachecluster(name, replicas=3, etcd={"endpoints": [etcd_server.endpoint]},
+                                                networkPolicy={"enabled": False}))
+        wanted = lambda objs: all(o for kind, o in objs.items() if not kind.startswith("NetworkPolicy"))  # noqa: E731
+        wait_for(lambda: wanted(children(api, name)), what="children")
+        cc_when(api, name, lambda o: o.get("status", {}).get("observedGeneration") == 1, what="reconciled")
+        before = children(api, name)
+        for where in gone.values():
+            api.delete(where)
+        after = wait_for(lambda: objs if wanted(objs := children(api, name)) else None, what="the deleted children back")
+        for kind in gone:
+            assert after[kind]["metadata"]["uid"] != before[kind]["metadata"]["uid"], kind
+            assert after[kind]["metadata"]["ownerReferences"] == before[kind]["metadata"]["ownerReferences"], kind
+            assert after[kind].get("spec") == before[kind].get("spec"), kind
+        assert after["StatefulSet"]["spec"]["replicas"] == 3
+        assert after["Secret node-token"]["data"]["token"] != before["Secret node-token"]["data"]["token"]
+        for kind in before.keys() - gone.keys():  # the others were left as they were
+            assert (after[kind] or {}).get("metadata", {}).get("resourceVersion") == \
+                (before[kind] or {}).get("metadata", {}).get("resourceVersion"), kind
+        (event,) = wait_for(lambda: [e for e in events_for(api, name) if e["reason"] == "ChildrenRestored"],
+                            what="the event")
+        assert event["type"] == "Warning"
+        assert event["message"].startswith("recreated ") and event["message"].endswith("(deleted outside the operator)")
+        for obj in ("StatefulSet drift", "Service drift", "ConfigMap drift-config", "Secret drift-node-token"):
+            assert obj in event["message"], event["message"]
+
+        # Taken over by someone else (no owner, another selector): present, so not the operator's
+        # to make again or to patch.
+        api.patch(gone["Service"], {"metadata": {"ownerReferences": None}, "spec": {"selector": {"app": "mine"}}})
+        # An optional child the spec does not want, owned by the CacheCluster (as a pass that read
+        # the spec before an update may leave one): the next pass deletes it.
+        api.create(KubeAPI.path("networking.k8s.io/v1", "networkpolicies", NS), {
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": name, "namespace": NS, "ownerReferences": [{
+                "apiVersion": CC, "kind": "CacheCluster", "name": name, "uid": cr["metadata"]["uid"],
+                "controller": True, "blockOwnerDeletion": True}]},
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}})
+        wait_for(lambda: api.get(path("networking.k8s.io/v1", "networkpolicies", name)) is None,
+                 what="the unwanted NetworkPolicy deleted")
+        time.sleep(1.0)  # several passes
+        service = api.get(gone["Service"])
+        assert not service["metadata"].get("ownerReferences") and service["spec"]["selector"]["app"] == "mine", service
+        messages = [e["message"] for e in events_for(api, name) if e["reason"] == "ChildrenRestored"]
+        assert messages[1:] == [f"deleted NetworkPolicy {name} (not in the spec)"], messages
+
+
 def test_network_policies_and_the_event_stream_follow_the_spec_and_go_when_turned_off(kube):
     """The operator's own namespace (POD_NAMESPACE in the chart) reaches the policies it renders;
     turning them off deletes the ones it made, turning the event stream off deletes its
