@@ -120,7 +120,7 @@ class CacheClusterHandlers:
         # A status pass in flight when the operator stops unwinds on cancellation (``observe``):
         # wait that long for it rather than kopf's default of ten loop turns.
         settings.background.instant_exit_timeout = STOP_WAIT_SECONDS
-        self.kube = await KubeClient.connect()
+        self.kube = await KubeClient.connect(timeout=self.config.api_timeout)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.stats_timeout))
 
     async def shutdown(self, **_: Any) -> None:

@@ -106,12 +106,13 @@ async def load_configuration(kubeconfig: str | None = None) -> k8s_client.Config
 class KubeClient:
     """Plain-dict CRUD for the kinds in ``PLURALS``; every method raises ``KubeError`` on failure."""
 
-    def __init__(self, api: k8s_client.ApiClient) -> None:
+    def __init__(self, api: k8s_client.ApiClient, timeout: float | None = None) -> None:
         self.api = api
+        self.timeout = timeout  # seconds per request (None: no limit)
 
     @classmethod
-    async def connect(cls, kubeconfig: str | None = None) -> KubeClient:
-        return cls(k8s_client.ApiClient(await load_configuration(kubeconfig)))
+    async def connect(cls, kubeconfig: str | None = None, timeout: float | None = None) -> KubeClient:
+        return cls(k8s_client.ApiClient(await load_configuration(kubeconfig)), timeout)
 
     async def close(self) -> None:
         await self.api.close()
@@ -122,10 +123,12 @@ class KubeClient:
             return await self.api.call_api(
                 path, method, header_params={"Accept": "application/json", "Content-Type": content_type},
                 body=body, response_types_map={200: "object", 201: "object"},
-                auth_settings=["BearerToken"], _return_http_data_only=True)
+                auth_settings=["BearerToken"], _return_http_data_only=True, _request_timeout=self.timeout)
         except ApiException as exc:
             raise KubeError(f"{method} {path}: HTTP {exc.status} {exc.reason}: {str(exc.body)[:300]}",
                             exc.status or 0) from exc
+        except TimeoutError:  # aiohttp's, past ``timeout``
+            raise KubeError(f"{method} {path}: no answer within {self.timeout:g} s") from None
         except OSError as exc:  # aiohttp's connection errors are OSErrors
             raise KubeError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
 

@@ -804,6 +804,9 @@ def operator(
     status_interval: Annotated[float, typer.Option(help="Seconds between status updates of each CacheCluster.",
                                                    min=0.1)] = 10.0,
     etcd_timeout: Annotated[float, typer.Option(help="Seconds per etcd request.", min=0.1)] = 2.0,
+    api_timeout: Annotated[float, typer.Option(
+        help="Seconds a Kubernetes API request may take before the operator counts it failed and retries.",
+        min=0.1)] = 30.0,
     liveness: Annotated[str | None, typer.Option(
         help="Serve a liveness probe here, e.g. http://0.0.0.0:8081/healthz.")] = None,
     own_namespace: Annotated[str | None, typer.Option(
@@ -826,7 +829,7 @@ def operator(
     except KubeError as exc:
         raise CommandFailed(str(exc)) from None
     run(OperatorConfig(namespaces=tuple(namespace or ()), status_interval=status_interval,
-                       etcd_timeout=etcd_timeout, liveness_endpoint=liveness,
+                       etcd_timeout=etcd_timeout, api_timeout=api_timeout, liveness_endpoint=liveness,
                        own_namespace=own_namespace or None, metrics_port=metrics_port),
         verbose=verbose)
 

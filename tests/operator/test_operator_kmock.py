@@ -275,6 +275,32 @@ def test_children_changed_by_hand_are_put_back_within_a_pass_and_an_event_says_w
         assert messages[1:] == [f"deleted NetworkPolicy {name} (not in the spec)"], messages
 
 
+def test_a_hung_api_request_costs_a_pass_its_timeout_and_the_status_goes_on(kube, etcd_server):
+    """A Kubernetes API that does not answer a request (a hung API server, a half-open connection)
+    costs a status pass ``api_timeout``, not every later pass: here each GET of the ConfigMap
+    hangs, and the status still follows the StatefulSet.  A child deleted meanwhile comes back
+    once the API answers again (until then the pass cannot tell what is missing)."""
+    api = kube.api
+    name = "hung"
+    configmap, service = path("v1", "configmaps", f"{name}-config"), path("v1", "services", name)
+    with operator(api_timeout=0.5) as runner:
+        api.create(cc_path(), cachecluster(name, replicas=2, etcd={"endpoints": [etcd_server.endpoint]}))
+        wait_for(lambda: all(children(api, name).values()), what="children")
+        cc_when(api, name, lambda o: o.get("status", {}).get("observedGeneration") == 1, what="reconciled")
+        hold = kube.hold(lambda method, p: method == "GET" and p == configmap)
+        try:
+            assert hold.caught.wait(15), "no status pass read the ConfigMap"
+            api.delete(service)
+            set_ready(api, name, 2)
+            cc_when(api, name, lambda o: o.get("status", {}).get("readyReplicas") == 2,
+                    what="the status written while a GET hangs")
+            assert api.get(service) is None
+        finally:
+            hold.release()
+        wait_for(lambda: api.get(service) is not None, what="the Service made again once the API answers")
+    assert f"GET {configmap}: no answer within 0.5 s" in runner.output
+
+
 def test_network_policies_and_the_event_stream_follow_the_spec_and_go_when_turned_off(kube):
     """The operator's own namespace (POD_NAMESPACE in the chart) reaches the policies it renders;
     turning them off deletes the ones it made, turning the event stream off deletes its
