@@ -63,7 +63,7 @@ class Holdings:
         if events is not None:
             store.watch(_HeldEvents(self))
         if disk is not None:
-            disk.on_evicted = lambda key, blocks: server.post(lambda: self._disk_evicted(key, blocks))
+            disk.on_gone = lambda key, blocks: server.post(lambda: self._disk_gone(key, blocks))
 
     # ---- presence --------------------------------------------------------------------------
 
@@ -201,9 +201,11 @@ class Holdings:
     def _left_disk(self, key: bytes, location: Location) -> None:
         """A chunk held only on disk was deleted: announce its blocks (read from its journal entry)."""
         if self.events is not None:
-            self.disk.blocks_of(location, lambda blocks: self.server.post(lambda: self._disk_evicted(key, blocks)))
+            self.disk.blocks_of(location, lambda blocks: self.server.post(lambda: self._disk_gone(key, blocks)))
 
-    def _disk_evicted(self, key: bytes, blocks: ChunkBlocks | None) -> None:
+    def _disk_gone(self, key: bytes, blocks: ChunkBlocks | None) -> None:
+        """A chunk left the disk (deleted, evicted, dropped as corrupt): announce its blocks
+        removed unless a tier still holds it."""
         if self.events is not None and blocks is not None and key not in self.store and key not in self.disk:
             self.events.blocks_changed(False, blocks)
 

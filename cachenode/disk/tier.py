@@ -22,8 +22,9 @@ oldest segment and skips the record, counted as ``full``.
 
 Reads: ``read`` runs on a pool of ``read_threads`` threads, into a buffer from the node's pool;
 every record is checked (``records.parse_head``, ``records.check_payload``) before it is handed
-back.  A bad record is counted (``corrupt``), dropped from the index (and journaled as deleted)
-and answered as a miss.
+back.  A bad record is counted (``corrupt``), dropped from the index (and journaled as deleted),
+told to ``on_gone`` like an eviction (the node's KV events announce its blocks removed) and
+answered as a miss.
 
 Deletes and flushes drop chunks from the index at once (and cancel queued writes), and journal
 a ``Deleted``/``Flushed`` entry so that a restart does not bring them back.
@@ -110,15 +111,17 @@ class ReadResult:
 
 class DiskTier:
     """One node's disk tier (see the module docstring).  ``take`` allocates payload buffers;
-    ``on_evicted`` hears, on the writer thread, each evicted chunk's key and its vLLM blocks."""
+    ``on_gone`` hears each chunk that leaves the tier by itself, with its key and its vLLM blocks:
+    evicted with its segment (on the writer thread), or dropped as corrupt when read (on a
+    reader thread)."""
 
     def __init__(self, config: DiskConfig, identity: DiskIdentity, take: Callable[[int], object],
-                 on_evicted: Callable[[bytes, ChunkBlocks | None], None] | None = None) -> None:
+                 on_gone: Callable[[bytes, ChunkBlocks | None], None] | None = None) -> None:
         self.config = config
         self.directory = config.directory
         self.identity = identity
         self._take = take
-        self.on_evicted = on_evicted
+        self.on_gone = on_gone
         self.index = DiskIndex()
         self.report = RebuildReport()
         self._lock_fd = -1
@@ -344,12 +347,15 @@ class DiskTier:
     def _drop_bad(self, key: bytes, location: Location, why: str) -> None:
         with self._cond:
             self.counts["corrupt"] += 1
-            if self.index.entries.get(key) == location:
+            dropped = self.index.entries.get(key) == location
+            if dropped:
                 self.index.remove(key)
                 self._queue.append(Deleted(key))
                 self._cond.notify()
         logger.warning("disk %s: dropped a bad record of key %s in segment %d: %s", self.directory, key.hex()[:32],
                        location.segment, why)
+        if dropped and self.on_gone is not None:  # its journal entry names its blocks, if it is whole
+            self._read_blocks(location, lambda blocks: self.on_gone(key, blocks))
 
     def _read_failed(self, key: bytes, location: Location, exc: OSError) -> None:
         with self.index.lock:
@@ -493,15 +499,15 @@ class DiskTier:
             keys = self.index.drop_segment(number)
             self.counts["evicted"] += len(keys)
             self.counts["evicted_segments"] += 1
-        blocks = self._blocks_of(number, keys) if self.on_evicted is not None and keys else {}
+        blocks = self._blocks_of(number, keys) if self.on_gone is not None and keys else {}
         for suffix in (DATA_SUFFIX, JOURNAL_SUFFIX):
             try:
                 os.unlink(os.path.join(self.directory, segment_name(number, suffix)))
             except FileNotFoundError:
                 pass
-        if self.on_evicted is not None:
+        if self.on_gone is not None:
             for key in keys:
-                self.on_evicted(key, blocks.get(key))
+                self.on_gone(key, blocks.get(key))
 
     def _blocks_of(self, number: int, keys: list[bytes]) -> dict[bytes, ChunkBlocks | None]:
         """The vLLM blocks of ``keys`` as segment ``number``'s journal records them."""

@@ -114,9 +114,11 @@ def test_what_a_crash_leaves_half_written_is_cut_and_the_rest_served(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["payload", "header"])
-def test_a_corrupt_record_is_counted_dropped_and_never_served(tmp_path, where):
-    items = [_item() for _ in range(3)]
+def test_a_corrupt_record_is_counted_dropped_told_as_gone_and_never_served(tmp_path, where):
+    items = [_item(blocks=True) for _ in range(3)]
     tier = _open(tmp_path)
+    gone = []
+    tier.on_gone = lambda key, blocks: gone.append((key, blocks))
     _write(tier, items)
     location = tier.index.entries[items[1].key]
     path = tmp_path / segment_name(location.segment, DATA_SUFFIX)
@@ -128,6 +130,9 @@ def test_a_corrupt_record_is_counted_dropped_and_never_served(tmp_path, where):
         f.write(bytes([byte[0] ^ 0xFF]))
     assert _read(tier, items[1].key).missing == "corrupt"
     assert tier.stats()["corrupt"] == 1 and items[1].key not in tier
+    # Its blocks, from its journal entry, as for an eviction (the node announces them removed).
+    assert [(k, b.block_hashes) for k, b in gone] == [(items[1].key, [int.from_bytes(items[1].key[:8], "little")])]
+    assert _read(tier, items[1].key).missing == "gone" and len(gone) == 1  # told once
     assert _same(tier, items[0]) and _same(tier, items[2])
     tier.close()
     tier = _open(tmp_path)  # dropped for good: the drop was journaled
@@ -171,7 +176,7 @@ def test_segments_without_an_identity_are_cleared_and_a_second_process_is_refuse
 def test_past_its_budget_the_oldest_segments_go_first_and_their_blocks_are_told(tmp_path):
     evicted = []
     tier = DiskTier(DiskConfig(str(tmp_path), capacity=64 << 20, segment_bytes=16 << 20), IDENTITY,
-                    take=lambda n: np.empty(n, dtype=np.uint8), on_evicted=lambda k, b: evicted.append((k, b)))
+                    take=lambda n: np.empty(n, dtype=np.uint8), on_gone=lambda k, b: evicted.append((k, b)))
     tier.open()
     items = [_item(1 << 20, blocks=True) for _ in range(150)]
     _write(tier, items)

@@ -4,6 +4,7 @@ processes, real etcd, chunks that name their vLLM blocks (``ChunkItem.with_block
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -14,6 +15,7 @@ from polling import wait_for
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.disk.records import DATA_SUFFIX
 from kvring.common.chunk import ChunkBlocks, ChunkItem
 from kvring.common.contract import Contract
 
@@ -189,8 +191,8 @@ def test_the_replay_buffer_keeps_the_newest_batches_within_its_bounds():
 
 def test_with_a_disk_tier_events_follow_what_the_node_holds_not_which_tier(cluster_factory):
     """Memory evicting a chunk to the disk, or a read bringing it back, is not announced; a chunk
-    leaving both tiers is (deleted, or its disk segment evicted); a node restarted with its disk
-    announces what it kept after its ``AllBlocksCleared``."""
+    leaving both tiers is (deleted, its disk record found corrupt when read, or its disk segment
+    evicted); a node restarted with its disk announces what it kept after its ``AllBlocksCleared``."""
     cluster = cluster_factory(nodes=1, memory=1 << 20, disk=32 << 20, contract=Contract(chunk_size=CHUNK_TOKENS))
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         record = next(iter(client.members.values()))
@@ -206,6 +208,19 @@ def test_with_a_disk_tier_events_follow_what_the_node_holds_not_which_tier(clust
             assert removed_hashes(tap.events()) == [] and len(stored_hashes(tap.events())) == 160
             assert client.delete([(0).to_bytes(16, "big")]) == 1
             wait_for(lambda: removed_hashes(tap.events()) == _hashes(0), 10, "the delete announced")
+
+            # Chunk 1, held only on disk, rots there (a byte of its payload flipped in its segment):
+            # the read that finds it answers a miss, and its blocks are announced removed, so a
+            # KV-aware router stops sending its prompts here.
+            run = np.full(64, 1, dtype=np.float32).tobytes()  # chunk 1's payload is all 1.0
+            (segment, at), = [(f, data.find(run)) for f in Path(cluster.nodes[0].disk_dir).glob(f"*{DATA_SUFFIX}")
+                              if (data := f.read_bytes()).find(run) >= 0]
+            with open(segment, "r+b") as f:
+                f.seek(at + 8)
+                f.write(b"\xff")
+            assert client.get([(1).to_bytes(16, "big")]) == [None]
+            wait_for(lambda: removed_hashes(tap.events()) == _hashes(0) + _hashes(1), 10, "the corrupt chunk announced")
+            assert client.stats()["node-0"]["disk"]["corrupt"] == 1
 
             # Past the disk's budget its oldest segment goes: what was only there is announced removed.
             assert client.put_many([_chunk(i) for i in range(40, 640)]) == [1] * 600
