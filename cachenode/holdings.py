@@ -59,6 +59,7 @@ class Holdings:
         self.events = events
         self._reading: dict[bytes, _Read] = {}
         self.prefetched = 0
+        self.rewritten = 0  # chunks written to the disk again as their segment went (``_disk_gone``)
         self.read_timeouts = 0
         if events is not None:
             store.watch(_HeldEvents(self))
@@ -204,9 +205,19 @@ class Holdings:
             self.disk.blocks_of(location, lambda blocks: self.server.post(lambda: self._disk_gone(key, blocks)))
 
     def _disk_gone(self, key: bytes, blocks: ChunkBlocks | None) -> None:
-        """A chunk left the disk (deleted, evicted, dropped as corrupt): announce its blocks
-        removed unless a tier still holds it."""
-        if self.events is not None and blocks is not None and key not in self.store and key not in self.disk:
+        """A chunk left the disk (deleted, evicted with its segment, dropped as corrupt).  If
+        memory still holds it (it is in use: a hot prefix), it is written again, to the newest
+        segment, so the disk keeps holding all that memory does and the chunk outlasts the disk's
+        first-in-first-out cycling and a restart (a delete or flush took it from memory first).
+        Else, unless the disk has it again, its blocks are announced removed."""
+        if key in self.disk:
+            return
+        entry = self.store.peek(key)
+        if entry is not None:
+            if self.disk.write(key, entry.meta, entry.buf):
+                self.rewritten += 1
+            return
+        if self.events is not None and blocks is not None:
             self.events.blocks_changed(False, blocks)
 
     def announce_disk(self) -> None:

@@ -313,7 +313,7 @@ class CacheNode:
         if self.disk is None:
             return None
         return {**self.disk.stats(), "prefetched": self.holdings.prefetched,
-                "read_timeouts": self.holdings.read_timeouts}
+                "read_timeouts": self.holdings.read_timeouts, "rewritten": self.holdings.rewritten}
 
 
 def say(line: str) -> None:

@@ -81,6 +81,29 @@ def test_a_cache_four_times_memory_is_served_whole_from_disk(cluster_factory):
         assert client.delete([_key(0)]) == 1 and not client.lookup([_key(0)])[0]
 
 
+def test_a_chunk_in_use_outlasts_the_disks_cycling_and_a_restart(cluster_factory):
+    """The disk evicts whole 16 MiB segments, oldest first.  A chunk memory still holds when its
+    segment goes (a hot prefix, read all along) is written again to the newest segment, so it
+    stays on disk through the cycling and a restart, while the cold chunks stored with it go."""
+    cluster = cluster_factory(nodes=1, memory=4 << 20, disk=48 << 20)
+    hot, cold = 0, range(1, 321)  # 80 MiB through a 48 MiB disk: its first segments go
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(1)
+        assert client.put_many([_item(hot)]) == [1]
+        for start in range(cold.start, cold.stop, 8):
+            assert client.put_many([_item(i) for i in range(start, start + 8)]) == [1] * 8
+            assert _served(client, [hot]) == ([hot], [])  # in use: memory keeps it
+        wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
+        disk = _disk(client, "node-0")
+        assert disk["evicted_segments"] >= 2 and disk["rewritten"] >= 1
+    cluster.restart(0)
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(1)
+        assert client.lookup([_key(hot), _key(1), _key(2)]) == [True, False, False]
+        assert _served(client, [hot]) == ([hot], [])
+        assert _disk(client, "node-0")["reads"] == 1  # from the disk: memory restarted empty
+
+
 def test_every_node_restarted_in_turn_under_a_reader_keeps_its_chunks(cluster_factory):
     """One copy per chunk, three nodes restarted one after another: without a disk the roll
     loses every chunk (each node comes back empty); with one, at least 99 % (in practice all)
