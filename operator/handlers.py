@@ -392,6 +392,7 @@ class CacheClusterHandlers:
         if message:
             logger.warning("%s", message)
             kopf.warn(body, reason="ChildrenRestored", message=message)
+            self.metrics.children_restored(namespace, name, len(recreated) + len(deleted))
         return message
 
     async def _members(self, etcd: Etcd) -> tuple[dict[str, st.Member] | None, int, PoolEventsRecord | None, str]:

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the operator: what its status timer last wrote for each CacheCluster.
+"""Prometheus metrics of the operator: what its status timer last wrote for each CacheCluster,
+and the children it put back.
 
 On a registry of its own (no process globals), served by ``main.run`` on ``--metrics-port``.
 The status timer (``handlers.observe``) calls ``OperatorMetrics.observe`` with the status it
@@ -31,6 +32,8 @@ class OperatorMetrics:
                                [*labels, "type"], registry=r)
         self.observations = Counter("kvring_operator_observations", "Status observations of CacheClusters",
                                     labels, registry=r)
+        self.restored = Counter("kvring_operator_children_restored", "Children a status pass made again "
+                                "(deleted outside the operator) or deleted (not in the spec)", labels, registry=r)
         self._children: dict[Any, set[tuple[str, ...]]] = {}  # metric -> the label values it has a series for
 
     def observe(self, namespace: str, name: str, desired: int | None, status: Mapping[str, Any]) -> None:
@@ -57,9 +60,14 @@ class OperatorMetrics:
             if kind in given:
                 self._child(self.condition, (*key, kind)).set(1 if given[kind] else 0)
 
+    def children_restored(self, namespace: str, name: str, count: int) -> None:
+        """A status pass put ``count`` children back as the spec has them (``_converge_children``)."""
+        self._child(self.restored, (namespace, name)).inc(count)
+
     def forget(self, namespace: str, name: str) -> None:
         """The CacheCluster is gone: drop its series."""
-        for metric in (self.desired, self.pods, self.ready, self.members, self.condition, self.observations):
+        for metric in (self.desired, self.pods, self.ready, self.members, self.condition, self.observations,
+                       self.restored):
             self._remove(metric, (namespace, name))
 
     def _child(self, metric, values: tuple[str, ...]):

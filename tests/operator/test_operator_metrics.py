@@ -40,6 +40,10 @@ def test_status_becomes_gauges_and_a_deleted_cluster_leaves_none():
     got = _samples(m)
     assert ("kvring_operator_cachecluster_members", (*key, ("state", "unhealthy"))) not in got
 
+    m.children_restored("ns", "kv", 2)
+    m.children_restored("ns", "kv", 1)
+    assert _samples(m)[("kvring_operator_children_restored_total", key)] == 3
+
     m.forget("ns", "kv")
     left = {labels for _, labels in _samples(m)}
     assert left and all(("cachecluster", "other") in labels for labels in left)
