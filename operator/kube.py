@@ -127,9 +127,9 @@ class KubeClient:
         except ApiException as exc:
             raise KubeError(f"{method} {path}: HTTP {exc.status} {exc.reason}: {str(exc.body)[:300]}",
                             exc.status or 0) from exc
-        except TimeoutError:  # aiohttp's, past ``timeout``
-            raise KubeError(f"{method} {path}: no answer within {self.timeout:g} s") from None
-        except OSError as exc:  # aiohttp's connection errors are OSErrors
+        except OSError as exc:  # aiohttp's connection errors and timeouts are OSErrors
+            if isinstance(exc, TimeoutError) and self.timeout is not None:  # past ``timeout``
+                raise KubeError(f"{method} {path}: no answer within {self.timeout:g} s") from None
             raise KubeError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
