@@ -60,6 +60,11 @@ class Holdings:
         self._reading: dict[bytes, _Read] = {}
         self.prefetched = 0
         self.rewritten = 0  # chunks written to the disk again as their segment went (``_disk_gone``)
+        # Rewriting what memory holds ends only where evicting a segment frees cold bytes too: on a
+        # disk with room for memory twice over (and two segments of slack).  A smaller one, where
+        # each rewrite would push out the next segment of rewrites without end, keeps plain FIFO.
+        self._rewrites = disk is not None and (
+            disk.config.capacity >= 2 * store.capacity + 2 * disk.config.segment_size)
         self.read_timeouts = 0
         if events is not None:
             store.watch(_HeldEvents(self))
@@ -208,13 +213,14 @@ class Holdings:
         """A chunk left the disk (deleted, evicted with its segment, dropped as corrupt).  If
         memory still holds it (it is in use: a hot prefix), it is written again, to the newest
         segment, so the disk keeps holding all that memory does and the chunk outlasts the disk's
-        first-in-first-out cycling and a restart (a delete or flush took it from memory first).
-        Else, unless the disk has it again, its blocks are announced removed."""
+        first-in-first-out cycling and a restart (a delete or flush took it from memory first);
+        not on a disk too small for that (``_rewrites``).  Else, unless the disk has it again, its
+        blocks are announced removed."""
         if key in self.disk:
             return
         entry = self.store.peek(key)
         if entry is not None:
-            if self.disk.write(key, entry.meta, entry.buf):
+            if self._rewrites and self.disk.write(key, entry.meta, entry.buf):
                 self.rewritten += 1
             return
         if self.events is not None and blocks is not None:

@@ -104,6 +104,23 @@ def test_a_chunk_in_use_outlasts_the_disks_cycling_and_a_restart(cluster_factory
         assert _disk(client, "node-0")["reads"] == 1  # from the disk: memory restarted empty
 
 
+def test_a_disk_too_small_to_keep_what_memory_holds_stays_first_in_first_out_and_settles(cluster_factory):
+    """With a disk no larger than memory, every segment that goes holds only chunks memory has:
+    writing them again would push out the next segment, and so on without end.  Such a disk
+    writes each chunk once and keeps first in, first out."""
+    cluster = cluster_factory(nodes=1, memory=32 << 20, disk=32 << 20)
+    n = 192  # 48 MiB through memory and disk of 32 MiB
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(1)
+        for start in range(0, n, 32):
+            assert client.put_many([_item(i) for i in range(start, start + 32)]) == [1] * 32
+        wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
+        time.sleep(1.0)
+        disk = _disk(client, "node-0")
+        assert disk["evicted_segments"] >= 1 and disk["rewritten"] == 0 and disk["written"] == n
+        assert _settled(client, ["node-0"])
+
+
 def test_every_node_restarted_in_turn_under_a_reader_keeps_its_chunks(cluster_factory):
     """One copy per chunk, three nodes restarted one after another: without a disk the roll
     loses every chunk (each node comes back empty); with one, at least 99 % (in practice all)
