@@ -279,8 +279,9 @@ def test_children_changed_by_hand_are_put_back_within_a_pass_and_an_event_says_w
         assert not service["metadata"].get("ownerReferences") and service["spec"]["selector"]["app"] == "mine", service
         messages = [e["message"] for e in restoring()]
         assert messages[before_deleting:] == [f"deleted NetworkPolicy {name} (not in the spec)"], messages
-        restored = runner.handlers.metrics.restored.labels(NS, name)._value.get()
-        assert restored == len(gone) + 1  # in /metrics as kvring_operator_children_restored_total
+        restored = runner.handlers.metrics.registry.get_sample_value(
+            "kvring_operator_children_restored_total", {"namespace": NS, "cachecluster": name})
+        assert restored == len(gone) + 1
 
 
 def test_a_hung_api_request_costs_a_pass_its_timeout_and_the_status_goes_on(kube, etcd_server):
