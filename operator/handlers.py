@@ -248,13 +248,22 @@ class CacheClusterHandlers:
         try:
             if await self.kube.get("v1", "Secret", namespace, secret_name) is not None:
                 return "unchanged"
-            secret = make()
-            kopf.adopt(secret, owner=body)
-            await self.kube.create(secret)
-            return "created"
         except KubeError as exc:
-            if exc.status == 409:  # created meanwhile (another reconcile): that one stands
-                return "unchanged"
+            raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
+        return "created" if await self._create(body, make()) else "unchanged"
+
+    async def _create(self, body: kopf.Body, obj: dict[str, Any]) -> bool:
+        """Create ``obj``, owned by the CacheCluster; False if an object of its name was made
+        meanwhile (by another reconcile or pass: that one stands).  Other failures raise
+        ``kopf.TemporaryError``."""
+        assert self.kube is not None
+        kopf.adopt(obj, owner=body)
+        try:
+            await self.kube.create(obj)
+            return True
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
             raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
 
     async def _get_statefulset(self, name: str, namespace: str) -> dict[str, Any] | None:
@@ -371,17 +380,10 @@ class CacheClusterHandlers:
                 *(self.kube.get("v1", "Secret", namespace, secret_name) for secret_name, _ in made_once),
                 *(self.kube.get(c["apiVersion"], c["kind"], namespace, c["metadata"]["name"]) for c in wanted))
             for (secret_name, make), obj in zip(made_once, found):
-                if obj is None and await self._ensure_secret(namespace, body, secret_name, make) == "created":
+                if obj is None and await self._create(body, make()):
                     recreated.append(f"Secret {secret_name}")
             for child, obj in zip(wanted, found[len(made_once):]):
-                if obj is None:
-                    kopf.adopt(child, owner=body)
-                    try:
-                        await self.kube.create(child)
-                    except KubeError as exc:
-                        if exc.status != 409:  # 409: made meanwhile (a reconcile): that one stands
-                            raise
-                        continue
+                if obj is None and await self._create(body, child):
                     recreated.append(f"{child['kind']} {child['metadata']['name']}")
             deleted = await self._delete_unwanted(name, namespace, wanted, body)
         except (KubeError, kopf.TemporaryError) as exc:  # the API did not answer: the next pass goes on
