@@ -4,13 +4,15 @@ A child-process entry point (vLLM starts its engine in a spawned process, and ea
 must be a separate process): ``python -P -m kvring.engine.run SPEC.json OUT.json``.  SPEC holds
 the model dir, the prompts, and the connector settings (or none); OUT gets each prompt's greedy
 output tokens, its time to first token and the tokens vLLM did not compute (``cached``: loaded
-from kvring, or hit in vLLM's own prefix cache when that is on).
+from kvring, or hit in vLLM's own prefix cache when that is on), and with ``logprobs`` set, each
+generated token's top logprobs (``logprobs``: ``[{token: logprob}]``, the token a string).
 
 SPEC (JSON)::
 
     {"model": DIR,                       # e.g. from write_tiny_llama
      "dtype": "bfloat16",                # optional; also the dtype of generated prompt embeds
      "max_model_len": 8192, "max_tokens": 8, "prefix_caching": false, "kv_cache_gib": 1,
+     "logprobs": 0,                      # optional: keep each generated token's top N logprobs
      "block_size": 16,                   # optional: vLLM's KV block size (MLA on CPU needs 16)
      "disable_hybrid_kv_cache_manager": false,  # optional: one KV-cache group for every layer
      "max_num_batched_tokens": 8192,     # optional: tokens per step (default max_model_len); fewer
@@ -491,7 +493,8 @@ def run(spec: dict) -> dict:
     kw = engine_kwargs(spec)
     lora_requests = _lora_requests(spec["lora"]) if spec.get("lora") else {}
     llm = LLM(**kw)
-    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False)
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, detokenize=False,
+                            logprobs=spec.get("logprobs") or None)
     results, steps = [], []
     for step in spec["prompts"]:
         if "wait_for" in step:
@@ -524,9 +527,13 @@ def run(spec: dict) -> dict:
         t1 = time.perf_counter()
         for out in outs:
             metrics = getattr(out, "metrics", None)
-            results.append({"tokens": list(out.outputs[0].token_ids), "seconds": t1 - t0,
-                            "ttft": getattr(metrics, "first_token_latency", None) if metrics else None,
-                            "cached": getattr(out, "num_cached_tokens", None)})
+            result = {"tokens": list(out.outputs[0].token_ids), "seconds": t1 - t0,
+                      "ttft": getattr(metrics, "first_token_latency", None) if metrics else None,
+                      "cached": getattr(out, "num_cached_tokens", None)}
+            if params.logprobs:  # per generated token: {token (a string: JSON keys): logprob}
+                result["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()}
+                                      for step in out.outputs[0].logprobs or []]
+            results.append(result)
         steps.append({"prompts": len(outs), "seconds": t1 - t0,
                       "counters": connector_counters() if spec.get("connector") else {}})
     keys: list[list[str] | None] = []

@@ -16,6 +16,7 @@ import pytest
 from kvring.cachenode.client import ClusterClient
 from kvring.engine.run import decision_between, layout_of, start_instance, write_tiny_llama
 from kvring.local.cluster import LocalCluster
+from greedy import greedy_difference
 from placement import prompts_on, wait_saved
 
 CHUNK = 256
@@ -61,7 +62,7 @@ def test_a_node_stalled_mid_load_is_trusted_again_once_it_resumes(etcd_server, m
                 instance.stop()
     r, steps_out = out["results"], out["steps"]
     counters = [s["counters"] for s in steps_out]  # cumulative, after each generate call
-    computed = {i: r[1 + i]["tokens"] for i in range(6)}
+    computed = {i: r[1 + i] for i in range(6)}
     rows = [(7, 0, "before"), (8, 1, "before"), (9, 2, "during"),
             (10, 3, "after"), (11, 4, "after"), (12, 5, "after"), (13, 0, "after")]
     # generate calls: 0 warm-up, 1 the batch, then one per prompt (result i is call i - 5)
@@ -69,8 +70,11 @@ def test_a_node_stalled_mid_load_is_trusted_again_once_it_resumes(etcd_server, m
     print("\nadmission around a stall (prompt: phase, decision, tokens loaded, TTFT):")
     for i, p, phase in rows:
         print(f"  {i:2d} prompt {p}: {phase:6s} {decisions[i]:22s} {r[i]['cached']:5d} {r[i]['ttft'] * 1000:7.0f} ms")
-    for i, p, _ in rows:
-        assert r[i]["tokens"] == computed[p], f"result {i}: wrong output after a load"
+    for i, p, phase in rows:
+        if phase == "during":  # recomputed from the stalled node's first block: equal but for a near tie
+            assert greedy_difference(r[i], computed[p]) is None, f"result {i}: {greedy_difference(r[i], computed[p])}"
+        else:  # loaded whole: the stored K/V, bit for bit
+            assert r[i]["tokens"] == computed[p]["tokens"], f"result {i}: wrong output after a load"
     for i in (7, 8):
         assert decisions[i] == "loaded" and r[i]["cached"] == LOADED
     assert decisions[9] == "load failed"  # the victim stopped in the middle of sending it
