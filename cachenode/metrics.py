@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvring.common.errors import ErrorCode
@@ -66,8 +68,9 @@ class NodeMetrics:
         ):
             Gauge(name, doc, registry=r).set_function(read)
 
-    def watch_disk(self, disk) -> None:
-        """Gauges of the disk tier (``disk.tier.DiskTier``): read when scraped."""
+    def watch_disk(self, disk, rewritten: Callable[[], int]) -> None:
+        """Gauges of the disk tier (``disk.tier.DiskTier``) and ``rewritten()``, the chunks the node
+        wrote to it again as their segment went (``Holdings``): read when scraped."""
         r, counts = self.registry, disk.counts
         Gauge("kvring_node_disk_bytes_used", "Bytes of the disk tier's segments", registry=r).set_function(
             lambda: disk.index.bytes)
@@ -83,8 +86,12 @@ class NodeMetrics:
             ("full", "full", "Writes that found the filesystem full (ENOSPC): the chunk stays in memory only"),
             ("write_skipped", "write_skipped", "Chunks not written because the write queue was full"),
             ("evicted", "evicted", "Chunks evicted from disk past its budget"),
+            ("scrubbed_bytes", "scrubbed_bytes", "Bytes of chunks the scrub read again and checked"),
+            ("scrub_passes", "scrub_passes", "Passes of the scrub over every chunk on disk"),
         ):
             Gauge(f"kvring_node_disk_{name}_total", doc, registry=r).set_function(lambda key=key: counts[key])
+        Gauge("kvring_node_disk_rewritten_total", "Chunks written to disk again as their segment was evicted (memory "
+              "still held them)", registry=r).set_function(rewritten)
 
     def watch_membership(self, state, registered) -> None:
         """Gauges of the node's place in the ring: ``state()`` (a ``NodeState``) and ``registered()``

@@ -143,7 +143,6 @@ class CacheNode:
             identity = DiskIdentity(cluster, config.node_id, config.contract.to_json().decode())
             self.disk = DiskTier(config.disk, identity, take=self.buffers.take)
             self.disk.open()
-            self.metrics.watch_disk(self.disk)
         self.events: NodeEvents | None = None
         if config.events is not None:
             self.events = NodeEvents(cluster, config.events)
@@ -156,6 +155,8 @@ class CacheNode:
         self.metrics.watch_server(self.server)
         self.data_port = self.server.port
         self.holdings = Holdings(self.store, self.disk, self.server, self.events)
+        if self.disk is not None:
+            self.metrics.watch_disk(self.disk, rewritten=lambda: self.holdings.rewritten)
         self.dispatcher = Dispatcher(config.node_id, self.holdings, self.metrics, self.server,
                                      config.max_chunk_bytes, self.stats)
         self.http = make_http_server(self, config.host, config.admin_port)

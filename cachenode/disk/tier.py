@@ -22,9 +22,11 @@ oldest segment and skips the record, counted as ``full``.
 
 Reads: ``read`` runs on a pool of ``read_threads`` threads, into a buffer from the node's pool;
 every record is checked (``records.parse_head``, ``records.check_payload``) before it is handed
-back.  A bad record is counted (``corrupt``), dropped from the index (and journaled as deleted),
-told to ``on_gone`` like an eviction (the node's KV events announce its blocks removed) and
-answered as a miss.
+back, and its pages are dropped from the page cache (a chunk read is promoted into memory).  A
+bad record is counted (``corrupt``), dropped from the index (and journaled as deleted), told to
+``on_gone`` like an eviction (the node's KV events announce its blocks removed) and answered as a
+miss.  The scrub (``scrub.py``) reads every record again in the background at ``scrub_rate``, so
+a bad record nobody asks for is found too.
 
 Deletes and flushes drop chunks from the index at once (and cancel queued writes), and journal
 a ``Deleted``/``Flushed`` entry so that a restart does not bring them back.
@@ -55,6 +57,7 @@ from .index import DiskIndex, Location, RebuildReport, Segment, rebuild
 from .records import (DATA_SUFFIX, ENTRY_HEAD, JOURNAL_SUFFIX, BadRecord, Deleted, Flushed, Stored, blocks_bytes,
                       check_payload, decode_blocks, decode_entries, decode_entry_at, encode_entry, parse_head,
                       record_head, segment_name)
+from .scrub import Scrubber
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +81,17 @@ class DiskConfig:
     sync: bool = True
     read_threads: int = 4
     read_timeout: float = 2.0  # seconds a GET waits for the disk before it answers a miss
+    scrub_rate: int = 16 << 20  # bytes a second the scrub reads at most (``scrub.py``); 0: no scrub
+    scrub_interval: float = 86400.0  # seconds from the start of one scrub pass to the next, at least
 
     def __post_init__(self) -> None:
         if not self.directory:
             raise ValueError("--disk-dir must name a directory")
         if self.capacity < 16 << 20:
             raise ValueError("--disk-capacity must be at least 16MiB, e.g. --disk-capacity 100GiB")
+        if self.scrub_rate < 0 or self.scrub_interval < 0:
+            raise ValueError("--disk-scrub-rate and --disk-scrub-interval cannot be negative (a rate of 0 turns "
+                             "the scrub off)")
 
     @property
     def segment_size(self) -> int:
@@ -141,7 +149,8 @@ class DiskTier:
         self._stall_until = 0.0
         self.counts = dict.fromkeys(("written", "written_bytes", "write_skipped", "too_large", "full",
                                      "write_errors", "reads", "read_bytes", "read_errors", "corrupt", "evicted",
-                                     "evicted_segments"), 0)
+                                     "evicted_segments", "scrubbed", "scrubbed_bytes", "scrub_passes"), 0)
+        self._scrubber: Scrubber | None = None
 
     # ---- start and stop (the node's main thread) ------------------------------------------------
 
@@ -162,10 +171,15 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="kvring-disk-writer", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="kvring-disk-read")
+        if self.config.scrub_rate > 0:
+            self._scrubber = Scrubber(self, self.config.scrub_rate, self.config.scrub_interval)
+            self._scrubber.start()
         return self.report
 
     def close(self) -> None:
         """Write what is queued (for up to ``CLOSE_TIMEOUT`` seconds), sync, and let go."""
+        if self._scrubber is not None:
+            self._scrubber.stop()
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -269,7 +283,7 @@ class DiskTier:
                 pass
 
     def _read_blocks(self, location: Location, done: Callable[[ChunkBlocks | None], None]) -> None:
-        self._wait_if_stalled()
+        self.wait_if_stalled()
         try:
             with open(os.path.join(self.directory, segment_name(location.segment, JOURNAL_SUFFIX)), "rb") as f:
                 f.seek(location.entry)
@@ -295,6 +309,7 @@ class DiskTier:
             "queued": len(self._pending),
             "queued_bytes": self._queued_bytes,
             "write_queue": self.config.write_queue,
+            "scrub_rate": self.config.scrub_rate,
             "stalled": time.monotonic() < self._stall_until,
             **self.counts,
             "rebuild": self.report.as_dict(),
@@ -303,16 +318,16 @@ class DiskTier:
     # ---- reads (reader threads) ---------------------------------------------------------------
 
     def _read(self, key: bytes, location: Location, done: Callable[[ReadResult], None]) -> None:
-        self._wait_if_stalled()
+        self.wait_if_stalled()
         try:
-            meta, buf = self._read_record(key, location)
+            meta, buf = self.read_record(key, location)
         except FileNotFoundError:
             result = ReadResult(missing="gone")  # its segment was evicted since
         except BadRecord as exc:
-            self._drop_bad(key, location, str(exc))
+            self.drop_bad(key, location, str(exc))
             result = ReadResult(missing="corrupt")
         except OSError as exc:
-            self._read_failed(key, location, exc)
+            self.read_failed(key, location, exc)
             result = ReadResult(missing="error")
         else:
             with self.index.lock:
@@ -321,8 +336,10 @@ class DiskTier:
             result = ReadResult(meta, buf)
         done(result)
 
-    def _read_record(self, key: bytes, location: Location) -> tuple[ChunkMeta, object]:
-        """The record at ``location``, checked whole (``BadRecord`` if it is not ``key``'s)."""
+    def read_record(self, key: bytes, location: Location, take: Callable[[int], object] | None = None
+                    ) -> tuple[ChunkMeta, object]:
+        """The record at ``location``, checked whole (``BadRecord`` if it is not ``key``'s), its
+        payload in a buffer from ``take`` (default: the node's pool); its pages leave the page cache."""
         fd = os.open(os.path.join(self.directory, segment_name(location.segment, DATA_SUFFIX)),
                      os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -330,7 +347,7 @@ class DiskTier:
             meta, start = parse_head(head, key)
             if start + meta.nbytes != location.length:
                 raise BadRecord("record length does not match the journal")
-            buf = self._take(meta.nbytes)
+            buf = (take or self._take)(meta.nbytes)
             view = memoryview(buf).cast("B")
             have = min(len(head) - start, meta.nbytes)
             view[:have] = head[start:start + have]
@@ -340,11 +357,12 @@ class DiskTier:
                     raise BadRecord("record cut short by the end of its file")
                 have += n
         finally:
+            os.posix_fadvise(fd, location.offset, location.length, os.POSIX_FADV_DONTNEED)
             os.close(fd)
         check_payload(meta, buf)
         return meta, buf
 
-    def _drop_bad(self, key: bytes, location: Location, why: str) -> None:
+    def drop_bad(self, key: bytes, location: Location, why: str) -> None:
         with self._cond:
             self.counts["corrupt"] += 1
             dropped = self.index.entries.get(key) == location
@@ -357,7 +375,7 @@ class DiskTier:
         if dropped and self.on_gone is not None:  # its journal entry names its blocks, if it is whole
             self._read_blocks(location, lambda blocks: self.on_gone(key, blocks))
 
-    def _read_failed(self, key: bytes, location: Location, exc: OSError) -> None:
+    def read_failed(self, key: bytes, location: Location, exc: OSError) -> None:
         with self.index.lock:
             self.counts["read_errors"] += 1
         logger.warning("disk %s: reading key %s from segment %d failed: %s", self.directory, key.hex()[:32],
@@ -395,7 +413,7 @@ class DiskTier:
                                 del self._pending[item.key]
 
     def _write_batch(self, batch: list) -> None:
-        self._wait_if_stalled()
+        self.wait_if_stalled()
         for item in batch:
             if type(item) is not _Write:
                 self._entries.append(encode_entry(item))
@@ -540,9 +558,14 @@ class DiskTier:
                     os.close(fd)
         self._data_fd = self._journal_fd = -1
 
-    def _wait_if_stalled(self) -> None:
+    def wait_if_stalled(self, stop: threading.Event | None = None) -> None:
+        """Wait out a ``stall`` (fault injection), or until ``stop`` is set."""
         while (left := self._stall_until - time.monotonic()) > 0:
-            time.sleep(min(left, 0.5))
+            if stop is not None:
+                if stop.wait(min(left, 0.5)):
+                    return
+            else:
+                time.sleep(min(left, 0.5))
 
 
 def _write_all(fd: int, parts: list, offset: int) -> None:

@@ -200,6 +200,12 @@ def node(
                                                  "journaling them (off: a power loss may lose more).")] = True,
     disk_write_queue: Annotated[str, typer.Option(
         help="Bytes of chunks waiting for the disk; past it, chunks stay in memory only.")] = "256MiB",
+    disk_scrub_rate: Annotated[str, typer.Option(
+        help="Bytes a second the scrub reads at most, checking every chunk on disk again in the background "
+             "(a corrupt one is dropped and announced removed); 0 turns it off.")] = "16MiB",
+    disk_scrub_interval: Annotated[float, typer.Option(
+        help="Seconds from the start of one scrub pass over the disk to the next, at least (the first starts "
+             "with the node).", min=0)] = 86400.0,
     fault_injection: Annotated[bool, typer.Option(
         "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte, "
                                   "POST /debug/stall?seconds=S blocks the data loop, "
@@ -232,7 +238,8 @@ def node(
     try:
         disk = None if disk_dir is None else DiskConfig(
             directory=disk_dir, capacity=_size(disk_capacity, "--disk-capacity"), sync=disk_sync,
-            write_queue=_size(disk_write_queue, "--disk-write-queue"))
+            write_queue=_size(disk_write_queue, "--disk-write-queue"),
+            scrub_rate=_size(disk_scrub_rate, "--disk-scrub-rate", zero=True), scrub_interval=disk_scrub_interval)
         config = NodeConfig(
             node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
             admin_port=admin_port, advertise_host=advertise_host,

@@ -96,6 +96,8 @@ def test_a_chunk_in_use_outlasts_the_disks_cycling_and_a_restart(cluster_factory
         wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
         disk = _disk(client, "node-0")
         assert disk["evicted_segments"] >= 2 and disk["rewritten"] >= 1
+        with urllib.request.urlopen(cluster.nodes[0].admin_addr + "/metrics", timeout=5) as reply:
+            assert f"kvring_node_disk_rewritten_total {float(disk['rewritten'])}" in reply.read().decode()
     cluster.restart(0)
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(1)

@@ -207,3 +207,69 @@ def test_a_stalled_disk_bounds_its_queue_and_deletes_win_over_queued_writes(tmp_
     tier = _open(tmp_path)
     assert items[0].key not in tier and len(tier) == sum(accepted) - 1
     tier.close()
+
+
+def _flip(path, location, at: int) -> None:
+    """Flip one byte of a record, ``at`` bytes into it."""
+    with open(path / segment_name(location.segment, DATA_SUFFIX), "r+b") as f:
+        f.seek(location.offset + at)
+        byte = f.read(1)
+        f.seek(location.offset + at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_the_scrub_finds_a_corrupt_record_nobody_reads_and_tells_it_gone(tmp_path):
+    items = [_item(blocks=True) for _ in range(6)]
+    tier = _open(tmp_path, scrub_rate=0)
+    _write(tier, items)
+    lengths = [tier.location(item.key).length for item in items]
+    _flip(tmp_path, tier.location(items[2].key), lengths[2] - 100)
+    tier.close()
+    # Bit rot while the node was down: the first pass, at start, finds it without any GET.
+    tier = _open(tmp_path, scrub_rate=64 << 20, scrub_interval=3600)
+    gone = []
+    tier.on_gone = lambda key, blocks: gone.append((key, blocks))
+    deadline = time.monotonic() + 10
+    while tier.stats()["scrub_passes"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = tier.stats()
+    assert (stats["scrub_passes"], stats["scrubbed"], stats["corrupt"], stats["reads"]) == (1, 6, 1, 0)
+    assert stats["scrubbed_bytes"] == sum(lengths)
+    assert items[2].key not in tier
+    assert [(k, b.block_hashes) for k, b in gone] == [(items[2].key, [int.from_bytes(items[2].key[:8], "little")])]
+    assert all(_same(tier, item) for i, item in enumerate(items) if i != 2)
+    # What is written and rots later waits for the next pass (an hour away): a GET finds it first.
+    more = _item(blocks=True)
+    _write(tier, [more])
+    _flip(tmp_path, tier.location(more.key), 40)
+    time.sleep(0.3)
+    assert tier.stats()["scrub_passes"] == 1 and tier.stats()["corrupt"] == 1
+    assert _read(tier, more.key).missing == "corrupt"
+    tier.close()
+
+
+def test_the_scrub_keeps_to_its_rate_and_skips_what_goes_meanwhile(tmp_path):
+    items = [_item(256 << 10) for _ in range(24)]  # 6 MiB: about 3 s at 2 MiB/s
+    tier = _open(tmp_path, scrub_rate=0)
+    _write(tier, items)
+    tier.close()
+    rate = 2 << 20
+    began = time.monotonic()
+    tier = _open(tmp_path, scrub_rate=rate, scrub_interval=3600)
+    time.sleep(0.5)
+    for item in items[12:18]:  # in the middle of the pass, ahead of where the scrub is
+        assert tier.delete(item.key)
+    time.sleep(1.0)
+    scrubbed = tier.stats()["scrubbed_bytes"]
+    one = tier.location(items[0].key).length
+    # Paced: no more than the rate allows since the start, and one record ahead.
+    assert one <= scrubbed <= rate * (time.monotonic() - began) + one
+    deadline = time.monotonic() + 20
+    while tier.stats()["scrub_passes"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = tier.stats()
+    # The pass read the 18 records left, not the 6 deleted after it began.
+    assert (stats["scrub_passes"], stats["scrubbed"], stats["corrupt"], len(tier)) == (1, 18, 0, 18)
+    closing = time.monotonic()
+    tier.close()
+    assert time.monotonic() - closing < 2  # the scrub stops within a record

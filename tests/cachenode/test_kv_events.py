@@ -189,6 +189,38 @@ def test_the_replay_buffer_keeps_the_newest_batches_within_its_bounds():
         publisher.close()
 
 
+def test_a_chunk_rotting_on_disk_unread_is_found_by_the_scrub_and_announced_removed(cluster_factory):
+    """No GET asks for it: the node's background scrub reads it again, drops it and announces its
+    blocks removed, and its /metrics count the scrub's bytes and passes."""
+    cluster = cluster_factory(nodes=1, memory=1 << 20, disk=32 << 20, contract=Contract(chunk_size=CHUNK_TOKENS),
+                              node_args=["--disk-scrub-interval", "0.5", "--disk-scrub-rate", "64MiB"])
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        tap = EventTap([next(iter(client.members.values())).events_addr])
+        time.sleep(0.3)
+        try:
+            assert client.put_many([_chunk(i) for i in range(40)]) == [1] * 40  # 2.5 MiB through 1 MiB
+            wait_for(lambda: len(stored_hashes(tap.events())) == 160, 10, "40 stores announced")
+            wait_for(lambda: client.stats()["node-0"]["disk"]["queued"] == 0, 10, "the disk writes")
+            assert client.stats()["node-0"]["disk"]["reads"] == 0
+            run = np.full(64, 1, dtype=np.float32).tobytes()  # chunk 1 (evicted from memory): all 1.0
+            (segment, at), = [(f, data.find(run)) for f in Path(cluster.nodes[0].disk_dir).glob(f"*{DATA_SUFFIX}")
+                              if (data := f.read_bytes()).find(run) >= 0]
+            with open(segment, "r+b") as f:
+                f.seek(at + 8)
+                f.write(b"\xff")
+            wait_for(lambda: removed_hashes(tap.events()) == _hashes(1), 20, "the scrub announcing the rotten chunk")
+            disk = client.stats()["node-0"]["disk"]
+            assert disk["corrupt"] == 1 and disk["reads"] == 0 and disk["scrub_passes"] >= 1
+            assert client.lookup([(1).to_bytes(16, "big"), (2).to_bytes(16, "big")]) == [False, True]
+        finally:
+            tap.close()
+    metrics = httpx.get(cluster.nodes[0].admin_addr + "/metrics", timeout=5).text
+    scrubbed = float(next(line.split()[1] for line in metrics.splitlines()
+                          if line.startswith("kvring_node_disk_scrubbed_bytes_total ")))
+    assert scrubbed >= 40 * (64 << 10)
+    assert "kvring_node_disk_corrupt_total 1.0" in metrics
+
+
 def test_with_a_disk_tier_events_follow_what_the_node_holds_not_which_tier(cluster_factory):
     """Memory evicting a chunk to the disk, or a read bringing it back, is not announced; a chunk
     leaving both tiers is (deleted, its disk record found corrupt when read, or its disk segment

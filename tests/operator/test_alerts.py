@@ -19,6 +19,8 @@ import pytest
 import yaml
 
 from kvring.admin.metrics import AdminMetrics
+from kvring.cachenode.disk.identity import DiskIdentity
+from kvring.cachenode.disk.tier import DiskConfig, DiskTier
 from kvring.cachenode.metrics import NodeMetrics
 from kvring.cachenode.policy import make_policy
 from kvring.cachenode.repair import RepairProgress
@@ -33,7 +35,7 @@ UNIT_TESTS = Path(__file__).with_name("alerts_test.yaml")
 # The alerts the chart promises (README "Monitoring"): a test below fails if one goes missing.
 ALERTS = {"KVRingNodeUnhealthy", "KVRingNodeOutOfRing", "KVRingNodeUnreachable", "KVRingCacheClusterDegraded",
           "KVRingRepairNotSettling", "KVRingHitRateCollapsed", "KVRingEvictionsOutpacingPuts",
-          "KVRingLookupsPastDeadline", "KVRingTLSRefusals", "KVRingChildrenKeptChanging"}
+          "KVRingLookupsPastDeadline", "KVRingTLSRefusals", "KVRingChildrenKeptChanging", "KVRingDiskCorrupt"}
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +137,8 @@ def kvring_series() -> set[str]:
     node = NodeMetrics(ChunkStore(1 << 20, make_policy("lru")))
     node.watch_membership(lambda: NodeState.ACTIVE, lambda: True)
     node.watch_repair(RepairProgress())
+    node.watch_disk(DiskTier(DiskConfig("unused", 16 << 20), DiskIdentity("c", "n", "{}"), take=bytearray),
+                    rewritten=lambda: 0)
     connector = {f"vllm:kvring_{n}_total" for n in (*COUNTERS, *BY_REASON)}
     return _exported(node.registry) | _exported(AdminMetrics().registry) | _exported(OperatorMetrics().registry) | connector
 
