@@ -1,14 +1,15 @@
 """The disk tier's scrubber: every record on disk read again and checked in the background, so
 bit rot is found before a GET meets it.
 
-A record that fails its checks is handled as a GET's read handles it (``DiskTier._drop_bad``):
+A record that fails its checks is handled as a GET's read handles it (``DiskTier.drop_bad``):
 counted as ``corrupt``, dropped from the index (journaled), and told to ``on_gone``, so the node's
 KV events stop offering its blocks to routers and a chunk memory still holds is written again.
 Without a scrub, a record nobody reads stays offered until its segment is evicted.
 
 Pacing: one record at a time, on a thread of its own (GETs never queue behind it on the reader
-pool), at most ``rate`` bytes a second on average; its pages are dropped from the page cache
-after each read like every read of the tier's.  A pass walks the segments oldest first and each
+pool), at most ``rate`` bytes a second on average, into one buffer of its own as large as the
+largest record, held during a pass only; its pages are dropped from the page cache after each
+read like every read of the tier's.  A pass walks the segments oldest first and each
 in file order (sequential reads), taking each segment's records as they are when it gets there
 (a chunk deleted or evicted meanwhile is skipped; a segment unlinked under it ends that
 segment).  A pass starts at most every ``interval`` seconds, the first at once: bit rot acquired
@@ -74,6 +75,7 @@ class Scrubber:
             for key, location in self._records(number):
                 if self._stop.is_set() or not self._check(key, location):
                     break
+        self._scratch = np.empty(0, dtype=np.uint8)  # held during a pass only
         if not self._stop.is_set():
             with tier.index.lock:
                 tier.counts["scrub_passes"] += 1
