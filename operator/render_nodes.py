@@ -86,6 +86,9 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
         "--policy", spec.policy,
         *(("--tls-dir", TLS_MOUNT) if spec.tls else ()),
         *(("--disk-dir", f"{DISK_MOUNT}/disk", "--disk-capacity", str(spec.disk.capacity)) if spec.disk else ()),
+        *(("--disk-scrub-rate", str(spec.disk.scrub_rate)) if spec.disk and spec.disk.scrub_rate is not None else ()),
+        *(("--disk-scrub-interval", str(spec.disk.scrub_interval_seconds))
+          if spec.disk and spec.disk.scrub_interval_seconds is not None else ()),
     ]
 
 

@@ -108,6 +108,8 @@ class DiskSpec:
     size_bytes: int
     capacity: int  # bytes of chunks the node may keep there (--disk-capacity)
     storage_class: str | None = None
+    scrub_rate: int | None = None  # --disk-scrub-rate in bytes a second (0: off); None: the node's default
+    scrub_interval_seconds: int | None = None  # --disk-scrub-interval; None: the node's default
 
 
 DEFAULT_MONITORING_NAMESPACE = "monitoring"
@@ -395,7 +397,7 @@ class _Reader:
         disk = self._section(disk, where, "{size: 100Gi}")
         if disk is None:
             return None
-        self._unknown(disk, ("size", "storageClassName", "capacity"), where)
+        self._unknown(disk, ("size", "storageClassName", "capacity", "scrubRate", "scrubIntervalSeconds"), where)
         size, size_bytes = disk.get("size"), 0
         if size is None:
             self.problems.append(f"{where}.size is required: each node's volume, e.g. 100Gi")
@@ -418,8 +420,20 @@ class _Reader:
                                          "could fill its volume; lower it (or leave it out: 90% of size)")
                 elif capacity <= 0:
                     self.problems.append(f"{where}.capacity must be positive, got {disk['capacity']!r}")
+        scrub_rate = None
+        if "scrubRate" in disk:
+            try:
+                scrub_rate = parse_bytes(disk["scrubRate"])
+            except ValueError as exc:
+                self.problems.append(f"{where}.scrubRate: {exc} (bytes a second, e.g. 16Mi; 0 turns the scrub off)")
+        interval = disk.get("scrubIntervalSeconds")
+        if interval is not None and (type(interval) is not int or interval < 1):
+            self.problems.append(f"{where}.scrubIntervalSeconds must be a whole number of seconds, at least 1, "
+                                 f"got {interval!r}")
+            interval = None
         return DiskSpec(size=str(size), size_bytes=size_bytes, capacity=capacity,
-                        storage_class=self._str(disk, "storageClassName", None, where))
+                        storage_class=self._str(disk, "storageClassName", None, where), scrub_rate=scrub_rate,
+                        scrub_interval_seconds=interval)
 
     def _network_policy(self, policy: Any) -> NetworkPolicySpec:
         where = "spec.networkPolicy"

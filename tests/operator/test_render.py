@@ -179,6 +179,9 @@ FIELDS = [
                  id="disk"),
     pytest.param({"disk": {"size": "100Gi", "capacity": "50Gi"}}, lambda c: arg(c, "--disk-capacity"),
                  str(50 << 30), id="disk.capacity"),
+    pytest.param({"disk": {"size": "100Gi", "scrubRate": "0", "scrubIntervalSeconds": 3600}},
+                 lambda c: (arg(c, "--disk-scrub-rate"), arg(c, "--disk-scrub-interval")), ("0", "3600"),
+                 id="disk.scrub"),
     pytest.param({"networkPolicy": {"enabled": False}}, lambda c: [n for k, n in c if k == "NetworkPolicy"], [],
                  id="networkPolicy.enabled"),
     pytest.param({"poolEvents": {"enabled": False}},
@@ -384,11 +387,13 @@ def test_node_command_line_parses_with_the_real_cli():
 
 
 def test_disk_flags_parse_with_the_real_cli():
-    args = [a.replace("$(POD_NAME)", "kv-0") for a in ctr(children(spec_of(disk={"size": "10Gi"})))["args"]]
+    spec = spec_of(disk={"size": "10Gi", "scrubRate": "32Mi", "scrubIntervalSeconds": 600})
+    args = [a.replace("$(POD_NAME)", "kv-0") for a in ctr(children(spec))["args"]]
     command = typer.main.get_command(app)
     ctx = command.make_context("kvring", list(args), resilient_parsing=False)
     params = command.get_command(ctx, args[0]).make_context(args[0], args[1:], parent=ctx).params
     assert (params["disk_dir"], params["disk_capacity"]) == ("/var/lib/kvring/disk", str(9 * (1 << 30)))
+    assert (params["disk_scrub_rate"], params["disk_scrub_interval"]) == (str(32 << 20), 600.0)
 
 
 def test_a_disk_cluster_holds_its_partition_for_the_operator():

@@ -165,7 +165,8 @@ def test_everything_example_reads_every_field():
     assert s.resources == {"requests": {"cpu": "2", "ephemeral-storage": "1Gi"}, "limits": {"cpu": 4}}
     assert (s.data_port, s.admin_port, s.events_port, s.events_replay_port) == (7000, 7001, 7002, 7003)
     assert (s.policy, s.lease_ttl) == ("fifo", 15)
-    assert s.disk == DiskSpec(size="500Gi", size_bytes=500 << 30, capacity=450 << 30, storage_class="local-nvme")
+    assert s.disk == DiskSpec(size="500Gi", size_bytes=500 << 30, capacity=450 << 30, storage_class="local-nvme",
+                              scrub_rate=32 << 20, scrub_interval_seconds=43200)
     assert s.network_policy == NetworkPolicySpec(enabled=True, monitoring_namespace="observability",
                                                  client_namespaces=("serving",))
     assert s.pool_events == PoolEventsSpec(enabled=True, port=7004, replay_port=7005, topic="kv", resources={
@@ -276,6 +277,10 @@ def test_specs_only_the_operator_can_refuse(name):
     ({"memoryPerNode": "1Gi", "disk": {"size": "100Mi"}}, "spec.disk.size 100Mi is below the minimum of 1Gi"),
     ({"memoryPerNode": "1Gi", "disk": {"size": "1Gi", "storage": "x"}}, "spec.disk.storage is not a known field"),
     ({"memoryPerNode": "1Gi", "disk": {"size": "10Gi", "capacity": "lots"}}, "spec.disk.capacity: 'lots' is not"),
+    ({"memoryPerNode": "1Gi", "disk": {"size": "10Gi", "scrubRate": "fast"}},
+     "spec.disk.scrubRate: 'fast' is not a byte quantity"),
+    ({"memoryPerNode": "1Gi", "disk": {"size": "10Gi", "scrubIntervalSeconds": 0}},
+     "spec.disk.scrubIntervalSeconds must be a whole number of seconds, at least 1, got 0"),
 ])
 def test_bad_specs_say_what_to_set(spec, says):
     with pytest.raises(SpecError) as info:
