@@ -16,6 +16,10 @@ differ, and there each run's choice and the other's within ``TIE`` of each other
 own logprobs (a few bf16 steps of the logits).  What follows a near tie is no longer comparable.
 Wrong K/V shows otherwise: a token the reference puts well below its own, or not in its top
 logprobs at all.
+
+Both runs must keep logprobs, run alike: vLLM's sampler asked for logprobs took the other side
+of an exact tie than without them (the admission test's prompt 2: its 4th token 1758 with, 214
+without), so a reference without logprobs is no reference for a run with them.
 """
 
 from __future__ import annotations
