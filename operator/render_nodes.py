@@ -39,7 +39,7 @@ from .naming import (
     selector_labels,
     tls_secret,
 )
-from .spec import DISK_MOUNT, ClusterSpec
+from .spec import DISK_MOUNT, ClusterSpec, DiskSpec
 
 MiB = 1 << 20
 MEMORY_HEADROOM = 1.25
@@ -85,11 +85,16 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
         "--lease-ttl", str(spec.lease_ttl),
         "--policy", spec.policy,
         *(("--tls-dir", TLS_MOUNT) if spec.tls else ()),
-        *(("--disk-dir", f"{DISK_MOUNT}/disk", "--disk-capacity", str(spec.disk.capacity)) if spec.disk else ()),
-        *(("--disk-scrub-rate", str(spec.disk.scrub_rate)) if spec.disk and spec.disk.scrub_rate is not None else ()),
-        *(("--disk-scrub-interval", str(spec.disk.scrub_interval_seconds))
-          if spec.disk and spec.disk.scrub_interval_seconds is not None else ()),
+        *(_disk_args(spec.disk) if spec.disk else ()),
     ]
+
+
+def _disk_args(disk: DiskSpec) -> list[str]:
+    """The node's disk-tier flags; a scrub setting the spec leaves out is the node's default."""
+    return ["--disk-dir", f"{DISK_MOUNT}/disk", "--disk-capacity", str(disk.capacity),
+            *(("--disk-scrub-rate", str(disk.scrub_rate)) if disk.scrub_rate is not None else ()),
+            *(("--disk-scrub-interval", str(disk.scrub_interval_seconds))
+              if disk.scrub_interval_seconds is not None else ())]
 
 
 def node_env(name: str) -> list[dict[str, Any]]:

@@ -98,6 +98,7 @@ class EtcdSpec:
 DISK_MOUNT = "/var/lib/kvring"  # where each node's volume is mounted; the node's --disk-dir is <mount>/disk
 DISK_FILL = 0.9  # the share of its volume a node may fill with chunks unless spec.disk.capacity says otherwise
 MIN_DISK = 1 << 30
+MAX_INT32 = (1 << 31) - 1  # the CRD's integers are int32
 
 
 @dataclass(frozen=True)
@@ -426,11 +427,8 @@ class _Reader:
                 scrub_rate = parse_bytes(disk["scrubRate"])
             except ValueError as exc:
                 self.problems.append(f"{where}.scrubRate: {exc} (bytes a second, e.g. 16Mi; 0 turns the scrub off)")
-        interval = disk.get("scrubIntervalSeconds")
-        if interval is not None and (type(interval) is not int or interval < 1):
-            self.problems.append(f"{where}.scrubIntervalSeconds must be a whole number of seconds, at least 1, "
-                                 f"got {interval!r}")
-            interval = None
+        interval = (self._int(disk, "scrubIntervalSeconds", 1, 1, MAX_INT32, where)
+                    if "scrubIntervalSeconds" in disk else None)
         return DiskSpec(size=str(size), size_bytes=size_bytes, capacity=capacity,
                         storage_class=self._str(disk, "storageClassName", None, where), scrub_rate=scrub_rate,
                         scrub_interval_seconds=interval)

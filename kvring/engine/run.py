@@ -530,9 +530,8 @@ def run(spec: dict) -> dict:
             result = {"tokens": list(out.outputs[0].token_ids), "seconds": t1 - t0,
                       "ttft": getattr(metrics, "first_token_latency", None) if metrics else None,
                       "cached": getattr(out, "num_cached_tokens", None)}
-            if params.logprobs:  # per generated token: {token (a string: JSON keys): logprob}
-                result["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()}
-                                      for step in out.outputs[0].logprobs or []]
+            if params.logprobs:
+                result["logprobs"] = top_logprobs(out.outputs[0])
             results.append(result)
         steps.append({"prompts": len(outs), "seconds": t1 - t0,
                       "counters": connector_counters() if spec.get("connector") else {}})
@@ -556,6 +555,12 @@ def run(spec: dict) -> dict:
     # keys: each prompt's chunk keys; parts: the coordinates of each part a chunk is stored as
     # (``kvring.connector.parts``).
     return {"results": results, "keys": keys, "layout": layout_fields, "parts": parts, "steps": steps}
+
+
+def top_logprobs(completion) -> list[dict[str, float]]:
+    """A completion's top logprobs per generated token, as JSON keeps them: ``{token: logprob}``
+    with the token a string."""
+    return [{str(t): lp.logprob for t, lp in step.items()} for step in completion.logprobs or []]
 
 
 def _bind_workers(workers: int) -> None:

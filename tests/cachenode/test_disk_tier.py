@@ -56,6 +56,15 @@ def _same(tier: DiskTier, item: ChunkItem) -> bool:
         item.meta.checksums
 
 
+def _flip(path, location, at: int) -> None:
+    """Flip one byte of a record, ``at`` bytes into it."""
+    with open(path / segment_name(location.segment, DATA_SUFFIX), "r+b") as f:
+        f.seek(location.offset + at)
+        byte = f.read(1)
+        f.seek(location.offset + at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def _write(tier: DiskTier, items: list[ChunkItem]) -> None:
     for item in items:
         assert tier.write(item.key, item.meta, item.payload)
@@ -121,13 +130,7 @@ def test_a_corrupt_record_is_counted_dropped_told_as_gone_and_never_served(tmp_p
     tier.on_gone = lambda key, blocks: gone.append((key, blocks))
     _write(tier, items)
     location = tier.index.entries[items[1].key]
-    path = tmp_path / segment_name(location.segment, DATA_SUFFIX)
-    offset = location.offset + (location.length - 100 if where == "payload" else 30)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip(tmp_path, location, location.length - 100 if where == "payload" else 30)
     assert _read(tier, items[1].key).missing == "corrupt"
     assert tier.stats()["corrupt"] == 1 and items[1].key not in tier
     # Its blocks, from its journal entry, as for an eviction (the node announces them removed).
@@ -207,15 +210,6 @@ def test_a_stalled_disk_bounds_its_queue_and_deletes_win_over_queued_writes(tmp_
     tier = _open(tmp_path)
     assert items[0].key not in tier and len(tier) == sum(accepted) - 1
     tier.close()
-
-
-def _flip(path, location, at: int) -> None:
-    """Flip one byte of a record, ``at`` bytes into it."""
-    with open(path / segment_name(location.segment, DATA_SUFFIX), "r+b") as f:
-        f.seek(location.offset + at)
-        byte = f.read(1)
-        f.seek(location.offset + at)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_the_scrub_finds_a_corrupt_record_nobody_reads_and_tells_it_gone(tmp_path):

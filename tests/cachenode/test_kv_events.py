@@ -39,6 +39,16 @@ def _hashes(i: int) -> list[int]:
     return [1000 + 4 * i + b for b in range(4)]
 
 
+def _rot_chunk_one(disk_dir: str) -> None:
+    """Flip a byte of chunk 1's payload (all 1.0) where its segment file holds it."""
+    run = np.full(64, 1, dtype=np.float32).tobytes()
+    (segment, at), = [(f, data.find(run)) for f in Path(disk_dir).glob(f"*{DATA_SUFFIX}")
+                      if (data := f.read_bytes()).find(run) >= 0]
+    with open(segment, "r+b") as f:
+        f.seek(at + 8)
+        f.write(b"\xff")
+
+
 @pytest.fixture
 def one_node(cluster_factory):
     cluster = cluster_factory(nodes=1, memory=1 << 20, contract=Contract(chunk_size=CHUNK_TOKENS))
@@ -202,12 +212,7 @@ def test_a_chunk_rotting_on_disk_unread_is_found_by_the_scrub_and_announced_remo
             wait_for(lambda: len(stored_hashes(tap.events())) == 160, 10, "40 stores announced")
             wait_for(lambda: client.stats()["node-0"]["disk"]["queued"] == 0, 10, "the disk writes")
             assert client.stats()["node-0"]["disk"]["reads"] == 0
-            run = np.full(64, 1, dtype=np.float32).tobytes()  # chunk 1 (evicted from memory): all 1.0
-            (segment, at), = [(f, data.find(run)) for f in Path(cluster.nodes[0].disk_dir).glob(f"*{DATA_SUFFIX}")
-                              if (data := f.read_bytes()).find(run) >= 0]
-            with open(segment, "r+b") as f:
-                f.seek(at + 8)
-                f.write(b"\xff")
+            _rot_chunk_one(cluster.nodes[0].disk_dir)  # evicted from memory: only on disk
             wait_for(lambda: removed_hashes(tap.events()) == _hashes(1), 20, "the scrub announcing the rotten chunk")
             disk = client.stats()["node-0"]["disk"]
             assert disk["corrupt"] == 1 and disk["reads"] == 0 and disk["scrub_passes"] >= 1
@@ -244,12 +249,7 @@ def test_with_a_disk_tier_events_follow_what_the_node_holds_not_which_tier(clust
             # Chunk 1, held only on disk, rots there (a byte of its payload flipped in its segment):
             # the read that finds it answers a miss, and its blocks are announced removed, so a
             # KV-aware router stops sending its prompts here.
-            run = np.full(64, 1, dtype=np.float32).tobytes()  # chunk 1's payload is all 1.0
-            (segment, at), = [(f, data.find(run)) for f in Path(cluster.nodes[0].disk_dir).glob(f"*{DATA_SUFFIX}")
-                              if (data := f.read_bytes()).find(run) >= 0]
-            with open(segment, "r+b") as f:
-                f.seek(at + 8)
-                f.write(b"\xff")
+            _rot_chunk_one(cluster.nodes[0].disk_dir)
             assert client.get([(1).to_bytes(16, "big")]) == [None]
             wait_for(lambda: removed_hashes(tap.events()) == _hashes(0) + _hashes(1), 10, "the corrupt chunk announced")
             assert client.stats()["node-0"]["disk"]["corrupt"] == 1

@@ -58,7 +58,7 @@ def main(spec_path: str, out_dir: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvring.engine.run import _prompt, engine_kwargs
+    from kvring.engine.run import _prompt, engine_kwargs, top_logprobs
 
     out = Path(out_dir)
     llm = LLM(**engine_kwargs(spec))
@@ -91,8 +91,7 @@ def main(spec_path: str, out_dir: str) -> None:
         torch.save(kv, out / f"kv-{i}.pt")
         completion = res.outputs[0]
         results.append({"tokens": list(completion.token_ids), "cached": res.num_cached_tokens,
-                        "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
-                                     for step in completion.logprobs or []]})
+                        "logprobs": top_logprobs(completion)})
     (out / "out.json").write_text(json.dumps({"results": results}))
 
 

@@ -280,7 +280,7 @@ def test_specs_only_the_operator_can_refuse(name):
     ({"memoryPerNode": "1Gi", "disk": {"size": "10Gi", "scrubRate": "fast"}},
      "spec.disk.scrubRate: 'fast' is not a byte quantity"),
     ({"memoryPerNode": "1Gi", "disk": {"size": "10Gi", "scrubIntervalSeconds": 0}},
-     "spec.disk.scrubIntervalSeconds must be a whole number of seconds, at least 1, got 0"),
+     "spec.disk.scrubIntervalSeconds must be between 1 and 2147483647, got 0"),
 ])
 def test_bad_specs_say_what_to_set(spec, says):
     with pytest.raises(SpecError) as info:
