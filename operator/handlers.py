@@ -330,10 +330,10 @@ class CacheClusterHandlers:
             return
 
         assert self.kube is not None
-        if reconciled(meta, status):
-            await self._converge_children(name, namespace, cs, body, logger)
+        sts = await self._converge_children(name, namespace, cs, body, logger) if reconciled(meta, status) else None
+        if sts is None:  # not reconciled yet, or made again just now
+            sts = await self._get_statefulset(name, namespace)
         target = etcd_target(name, namespace, cs, None)
-        sts = await self._get_statefulset(name, namespace)
         members, revision, pool_events, etcd_error = await self._members(self.etcd(target))
         pending = scaling.ScaleIn.from_annotation(meta.get("annotations", {}).get(scaling.SCALE_IN_ANNOTATION))
         if pending is not None and sts is not None and members is not None:
@@ -357,10 +357,11 @@ class CacheClusterHandlers:
             patch.status.update(update)
 
     async def _converge_children(self, name: str, namespace: str, cs: ClusterSpec, body: kopf.Body,
-                                 logger: logging.Logger) -> str:
+                                 logger: logging.Logger) -> dict[str, Any] | None:
         """Create the children the spec wants that are gone (deleted by hand, or by a tool), as
-        ``reconcile`` would make them anew, and delete the optional ones it no longer wants;
-        returns the account of what it did (empty: nothing), which a warning event carries too.
+        ``reconcile`` would make them anew, and delete the optional ones it no longer wants; a
+        warning event says what it did.  Returns the node StatefulSet as its GET found it (the
+        pass reads its status off it), or None if it was missing or the API did not answer.
 
         Only missing ones, and only by creating: a spec update's ``reconcile`` may be running
         beside this pass, and a create cannot undo its patches (whichever creates first stands,
@@ -375,6 +376,7 @@ class CacheClusterHandlers:
         made_once = once_secrets(name, namespace, cs)
         recreated: list[str] = []
         deleted: list[tuple[str, str]] = []
+        sts = None
         try:
             found = await asyncio.gather(
                 *(self.kube.get("v1", "Secret", namespace, secret_name) for secret_name, _ in made_once),
@@ -385,6 +387,8 @@ class CacheClusterHandlers:
             for child, obj in zip(wanted, found[len(made_once):]):
                 if obj is None and await self._create(body, child):
                     recreated.append(f"{child['kind']} {child['metadata']['name']}")
+                if child["kind"] == "StatefulSet" and child["metadata"]["name"] == name:
+                    sts = obj
             deleted = await self._delete_unwanted(name, namespace, wanted, body)
         except (KubeError, kopf.TemporaryError) as exc:  # the API did not answer: the next pass goes on
             logger.warning("cannot check or restore the children now: %s", exc)
@@ -395,7 +399,7 @@ class CacheClusterHandlers:
             logger.warning("%s", message)
             kopf.warn(body, reason="ChildrenRestored", message=message)
             self.metrics.children_restored(namespace, name, len(recreated) + len(deleted))
-        return message
+        return sts
 
     async def _members(self, etcd: Etcd) -> tuple[dict[str, st.Member] | None, int, PoolEventsRecord | None, str]:
         """(members, revision, the event stream's record, error) from one read of the cluster's

@@ -56,9 +56,11 @@ class RebuildReport:
     bytes: int = 0
     cleared: str = ""  # why the directory was cleared ("" if it was not)
     # What was dropped: journal bytes of torn entries, data bytes past the last journaled record,
-    # entries naming bytes the data file does not have, segments missing one of their files.
+    # entries naming bytes the data file does not have, segments missing one of their files, and
+    # the bytes of the oldest segments over a capacity lowered since they were written.
     dropped: dict[str, int] = field(default_factory=lambda: {
-        "torn_journal_bytes": 0, "unjournaled_bytes": 0, "entries_past_end": 0, "incomplete_segments": 0})
+        "torn_journal_bytes": 0, "unjournaled_bytes": 0, "entries_past_end": 0, "incomplete_segments": 0,
+        "over_capacity_bytes": 0})
 
     def as_dict(self) -> dict:
         return {"seconds": round(self.seconds, 3), "segments": self.segments, "chunks": self.chunks,

@@ -161,6 +161,7 @@ class DiskTier:
             self.report.cleared = claim_directory(self.directory, self.identity)
             self._next_number = rebuild(self.directory, self.index, self.report)
             self._open_segment()
+            self._trim_to_capacity()
         except OSError as exc:
             os.close(self._lock_fd)
             raise DiskError(f"cannot use --disk-dir {self.directory}: {exc}") from None
@@ -508,6 +509,15 @@ class DiskTier:
             self._open_segment()
         while self.index.bytes + length > self.config.capacity and len(self.index.segments) > 1:
             self._evict_oldest()
+
+    def _trim_to_capacity(self) -> None:
+        """A start under a smaller ``capacity`` than the directory holds (the flag lowered, a
+        CacheCluster's ``spec.disk.capacity`` changed): the oldest segments go now, before the
+        node announces anything, rather than at the next write."""
+        before = self.index.bytes
+        while self.index.bytes > self.config.capacity and len(self.index.segments) > 1:
+            self._evict_oldest()
+        self.report.dropped["over_capacity_bytes"] += before - self.index.bytes
 
     def _evict_oldest(self) -> None:
         number = next(iter(self.index.segments))

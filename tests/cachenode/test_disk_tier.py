@@ -194,6 +194,35 @@ def test_past_its_budget_the_oldest_segments_go_first_and_their_blocks_are_told(
     tier.close()
 
 
+def test_a_start_under_a_lowered_capacity_lets_the_oldest_segments_go_at_once(tmp_path):
+    """A capacity lowered across a restart (the flag, or a CacheCluster's spec.disk.capacity) is
+    kept from the start, not from the next write: the oldest segments go, the newest serve."""
+    config = DiskConfig(str(tmp_path), capacity=96 << 20, segment_bytes=16 << 20)
+    tier = DiskTier(config, IDENTITY, take=lambda n: np.empty(n, dtype=np.uint8))
+    tier.open()
+    items = [_item(1 << 20) for _ in range(80)]
+    _write(tier, items)
+    assert tier.stats()["used"] > 64 << 20
+    tier.close()
+
+    tier = DiskTier(DiskConfig(str(tmp_path), capacity=40 << 20, segment_bytes=16 << 20), IDENTITY,
+                    take=lambda n: np.empty(n, dtype=np.uint8))
+    tier.open()
+    stats = tier.stats()
+    assert stats["used"] <= 40 << 20 and stats["rebuild"]["dropped"]["over_capacity_bytes"] > 24 << 20
+    assert stats["rebuild"]["chunks"] == 80 and stats["written"] == 0  # what it found; nothing written yet
+    held = [item.key in tier for item in items]
+    assert not held[0] and held[-1] and held == sorted(held)  # oldest gone, newest kept
+    assert all(_same(tier, item) for item, h in zip(items, held) if h)
+    assert not any(os.path.exists(tmp_path / segment_name(n, DATA_SUFFIX)) for n in range(1, 3))
+    tier.close()
+
+    tier = DiskTier(config, IDENTITY, take=lambda n: np.empty(n, dtype=np.uint8))  # back up: nothing returns
+    tier.open()
+    assert [item.key in tier for item in items] == held and not any(tier.stats()["rebuild"]["dropped"].values())
+    tier.close()
+
+
 def test_a_stalled_disk_bounds_its_queue_and_deletes_win_over_queued_writes(tmp_path):
     tier = _open(tmp_path, write_queue=1 << 20)
     tier.stall(1.0)

@@ -7,8 +7,12 @@ Draft4Validator checks them after small translations:
 - ``nullable: true`` becomes a ``null`` type;
 - objects with ``properties`` and without ``x-kubernetes-preserve-unknown-fields`` refuse other
   keys, as ``kubectl apply`` (strict server-side field validation) does; ``metadata`` is left open.
-CEL rules would not be evaluated (the CRD has none); defaults are applied by ``apply_defaults``
-the way the API server does: a missing property with a default gets it, then nested defaults.
+Defaults are applied by ``apply_defaults`` the way the API server does: a missing property with a
+default gets it, then nested defaults.  The CEL rules (``x-kubernetes-validations``) are
+evaluated by ``rule_failures`` with ``cel`` (cel-rust), as the API server does on a create or an
+update: at each node of the schema that holds rules, ``self`` is the object's value there and
+``oldSelf`` the previous version's; a rule naming ``oldSelf`` (a transition rule) runs only on
+an update where both values exist.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import cel
 import jsonschema
 import yaml
 
@@ -94,3 +99,33 @@ def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
 
 def load_examples(folder: str = "") -> dict[str, dict[str, Any]]:
     return {p.name: yaml.safe_load(p.read_text()) for p in sorted((EXAMPLES / folder).glob("*.yaml"))}
+
+
+def validation_rules(schema: dict[str, Any], at: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
+    """Every ``x-kubernetes-validations`` rule under ``schema`` with the property path it is at."""
+    found = [(at, rule) for rule in schema.get("x-kubernetes-validations", [])]
+    for name, sub in schema.get("properties", {}).items():
+        found += validation_rules(sub, (*at, name))
+    return found
+
+
+def _at(obj: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        if not isinstance(obj, dict) or name not in obj:
+            return None
+        obj = obj[name]
+    return obj
+
+
+def rule_failures(new: dict[str, Any], old: dict[str, Any] | None = None,
+                  crd: dict[str, Any] | None = None) -> list[str]:
+    """The messages of the CRD's CEL rules that ``new`` breaks (an update of ``old`` if given)."""
+    failures = []
+    for path, rule in validation_rules(openapi_schema(crd)):
+        value, previous = _at(new, path), _at(old, path) if old is not None else None
+        transition = "oldSelf" in rule["rule"]
+        if value is None or (transition and previous is None):
+            continue
+        if not cel.evaluate(rule["rule"], {"self": value, **({"oldSelf": previous} if transition else {})}):
+            failures.append(rule["message"])
+    return failures

@@ -124,6 +124,7 @@ class KopfEmulator(kmock.KubernetesEmulator):
     _revision: int = attrs.field(default=0, init=False)
     _journal: dict = attrs.field(factory=lambda: collections.defaultdict(list), init=False)
     holds: list[Hold] = attrs.field(factory=list, init=False)
+    gets: collections.Counter = attrs.field(factory=collections.Counter, init=False)  # GETs of one object, by path
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -131,6 +132,8 @@ class KopfEmulator(kmock.KubernetesEmulator):
         for hold in list(self.holds):
             if hold.match(request.method.value, request.url.path):
                 await hold.wait()
+        if request.method.value == "GET" and request.name:
+            self.gets[request.url.path] += 1
         writes = request.action == _CREATE or (request.action in (_UPDATE, _DELETE) and request.name)
         if request.resource is None or not writes:
             # Reads, discovery and anything else: kmock's own dispatch, minus its write logic.

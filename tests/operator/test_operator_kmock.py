@@ -283,6 +283,13 @@ def test_children_changed_by_hand_are_put_back_within_a_pass_and_an_event_says_w
             "kvring_operator_children_restored_total", {"namespace": NS, "cachecluster": name})
         assert restored == len(gone) + 1
 
+        # A pass GETs each child once, the StatefulSet too (its status is read off that GET).
+        reads = lambda: (kube.emulator.gets[gone["StatefulSet"]], kube.emulator.gets[gone["ConfigMap"]])  # noqa: E731
+        sts_before, configmap_before = reads()
+        wait_for(lambda: reads()[1] >= configmap_before + 4, what="four more passes")
+        sts_gets, configmap_gets = (a - b for a, b in zip(reads(), (sts_before, configmap_before)))
+        assert sts_gets <= configmap_gets + 1, (sts_gets, configmap_gets)
+
 
 def test_a_hung_api_request_costs_a_pass_its_timeout_and_the_status_goes_on(kube, etcd_server):
     """A Kubernetes API that does not answer a request (a hung API server, a half-open connection)
