@@ -48,7 +48,7 @@ from kvring.membership.settings import EtcdSettings
 from . import render, rollout, scaling
 from . import status as st
 from .config import OperatorConfig
-from .kube import KubeClient, KubeError, OwnedElsewhere
+from .kube import KubeClient, KubeError, OwnedElsewhere, contains, controlled_by, wanted_fields
 from .metrics import OperatorMetrics
 from .spec import GROUP, PLURAL, VERSION, ClusterSpec, SpecError, check_name
 
@@ -108,6 +108,10 @@ class CacheClusterHandlers:
         self.http: aiohttp.ClientSession | None = None
         self._etcd: dict[tuple[tuple[str, ...], str], Etcd] = {}
         self.metrics = OperatorMetrics()
+        # Children a status pass put back whose server copy still differs from the rendering
+        # (the API server normalizes a field it renders otherwise): (kind, namespace, name) ->
+        # that rendering, left alone until the rendering changes (``_put_back``).
+        self._unsettled: dict[tuple[str, str, str], str] = {}
 
     # ---- operator lifecycle ------------------------------------------------------------------
 
@@ -330,7 +334,8 @@ class CacheClusterHandlers:
             return
 
         assert self.kube is not None
-        sts = await self._converge_children(name, namespace, cs, body, logger) if reconciled(meta, status) else None
+        sts = await self._converge_children(name, namespace, cs, body, generation, logger) \
+            if reconciled(meta, status) else None
         if sts is None:  # not reconciled yet, or made again just now
             sts = await self._get_statefulset(name, namespace)
         target = etcd_target(name, namespace, cs, None)
@@ -357,24 +362,32 @@ class CacheClusterHandlers:
             patch.status.update(update)
 
     async def _converge_children(self, name: str, namespace: str, cs: ClusterSpec, body: kopf.Body,
-                                 logger: logging.Logger) -> dict[str, Any] | None:
-        """Create the children the spec wants that are gone (deleted by hand, or by a tool), as
-        ``reconcile`` would make them anew, and delete the optional ones it no longer wants; a
-        warning event says what it did.  Returns the node StatefulSet as its GET found it (the
-        pass reads its status off it), or None if it was missing or the API did not answer.
+                                 generation: int, logger: logging.Logger) -> dict[str, Any] | None:
+        """Put back what was changed outside the operator (by hand, or by a tool): create the
+        children the spec wants that are gone, as ``reconcile`` would make them anew; patch back
+        the fields it renders of the ones it owns that were edited (``_put_back``); delete the
+        optional ones it no longer wants.  A warning event says what it did.  Returns the node
+        StatefulSet as its GET found it (the pass reads its status off it), or None if it was
+        missing or the API did not answer.
 
-        Only missing ones, and only by creating: a spec update's ``reconcile`` may be running
-        beside this pass, and a create cannot undo its patches (whichever creates first stands,
-        the other gets a conflict and the update's patch follows).  A pass that read the spec
-        before such an update may recreate an optional child the update has just deleted; the
-        next pass, reading the new spec, deletes it again.  A child of that name that another
-        owner holds is not missing (``reconcile`` reports it as ``NameTaken``).  A recreated
-        ``<name>-tls`` or ``<name>-node-token`` holds new content: pods started before keep what
-        they read then until they restart.  One GET per child and pass."""
+        A spec update's ``reconcile`` may be running beside this pass, which read the spec
+        before: a create cannot undo its patches (whichever creates first stands, the other
+        gets a conflict and the update's patch follows), and a patch back is sent only while the
+        CacheCluster is still at the generation this pass read, and only over the version of
+        the child this pass read (else a conflict, and the next pass looks again).  A pass that
+        read the spec before such an update may recreate an optional child the update has just
+        deleted; the next pass, reading the new spec, deletes it again.  A child of that name
+        that another owner holds is neither missing nor patched (``reconcile`` reports it as
+        ``NameTaken``).  The node StatefulSet is made again if it is gone, but an edit of it is
+        not patched back here: its replicas and rolling partition are a scale-in's and a roll's,
+        which ``reconcile`` plans.  A recreated ``<name>-tls`` or ``<name>-node-token`` holds new
+        content (pods started before keep what they read then until they restart); an edited
+        one is left as it is (``_ensure_secret``).  One GET per child and pass."""
         assert self.kube is not None
         wanted = render.render_children(name, namespace, cs, operator_namespace=self.config.own_namespace)
         made_once = once_secrets(name, namespace, cs)
         recreated: list[str] = []
+        corrected: list[str] = []
         deleted: list[tuple[str, str]] = []
         sts = None
         try:
@@ -385,21 +398,64 @@ class CacheClusterHandlers:
                 if obj is None and await self._create(body, make()):
                     recreated.append(f"Secret {secret_name}")
             for child, obj in zip(wanted, found[len(made_once):]):
-                if obj is None and await self._create(body, child):
-                    recreated.append(f"{child['kind']} {child['metadata']['name']}")
-                if child["kind"] == "StatefulSet" and child["metadata"]["name"] == name:
+                what = f"{child['kind']} {child['metadata']['name']}"
+                node_sts = child["kind"] == "StatefulSet" and child["metadata"]["name"] == name
+                if obj is None:
+                    if await self._create(body, child):
+                        recreated.append(what)
+                elif not node_sts and await self._put_back(body, generation, child, obj, logger):
+                    corrected.append(what)
+                if node_sts:
                     sts = obj
             deleted = await self._delete_unwanted(name, namespace, wanted, body)
         except (KubeError, kopf.TemporaryError) as exc:  # the API did not answer: the next pass goes on
             logger.warning("cannot check or restore the children now: %s", exc)
         message = "; ".join(
             [*([f"recreated {', '.join(recreated)} (deleted outside the operator)"] if recreated else []),
+             *([f"put back {', '.join(corrected)} (changed outside the operator)"] if corrected else []),
              *([f"deleted {', '.join(f'{k} {o}' for k, o in deleted)} (not in the spec)"] if deleted else [])])
         if message:
             logger.warning("%s", message)
             kopf.warn(body, reason="ChildrenRestored", message=message)
-            self.metrics.children_restored(namespace, name, len(recreated) + len(deleted))
+            self.metrics.children_restored(namespace, name, len(recreated) + len(corrected) + len(deleted))
         return sts
+
+    async def _put_back(self, body: kopf.Body, generation: int, child: dict[str, Any], current: dict[str, Any],
+                        logger: logging.Logger) -> bool:
+        """Patch ``current`` (this pass's GET of an existing child) back to the fields ``child``
+        renders, if it is the CacheCluster's own and differs; whether it was patched.  The patch
+        carries ``current``'s resourceVersion, so a change made since (``reconcile`` applying a
+        newer spec) wins: a conflict, and nothing is patched.  If the server's copy still differs
+        after the patch, the server normalizes what was rendered (a quantity, a default): that
+        child is left alone until its rendering changes, rather than patched every pass."""
+        assert self.kube is not None
+        meta = child["metadata"]
+        if not controlled_by(current, body.metadata.uid):
+            return False
+        kopf.adopt(child, owner=body)
+        wanted = wanted_fields(current, child)
+        if contains(current, wanted):
+            return False
+        key = (child["kind"], meta["namespace"], meta["name"])
+        rendering = json.dumps(wanted, sort_keys=True)
+        if self._unsettled.get(key) == rendering:
+            return False
+        if int(body.metadata.get("generation") or 0) != generation:  # a newer spec is being applied
+            return False
+        precondition = {**wanted, "metadata": {**wanted["metadata"],
+                                               "resourceVersion": current["metadata"]["resourceVersion"]}}
+        try:
+            patched = await self.kube.patch(child["apiVersion"], child["kind"], meta["namespace"], meta["name"],
+                                            precondition)
+        except KubeError as exc:
+            if exc.status in (404, 409):  # deleted or changed since this pass read it: the next pass looks
+                return False
+            raise
+        if not contains(patched, wanted):
+            self._unsettled[key] = rendering
+            logger.warning("%s %s: the API server keeps it otherwise than rendered after a patch (it normalizes a "
+                           "field); not patched again until its rendering changes", child["kind"], meta["name"])
+        return True
 
     async def _members(self, etcd: Etcd) -> tuple[dict[str, st.Member] | None, int, PoolEventsRecord | None, str]:
         """(members, revision, the event stream's record, error) from one read of the cluster's

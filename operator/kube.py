@@ -67,6 +67,20 @@ def contains(current: Any, desired: Any) -> bool:
     return current == desired
 
 
+def wanted_fields(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``current`` must hold to be ``desired``, as a merge patch would write it: every
+    rendered field but the status, and the owner references of both."""
+    wanted = {k: v for k, v in desired.items() if k != "status"}
+    wanted["metadata"] = dict(desired["metadata"], ownerReferences=merge_owner_references(current, desired))
+    return wanted
+
+
+def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Whether ``obj``'s controller (owner reference) is the object ``uid``."""
+    owner = _controller(obj)
+    return owner is not None and owner.get("uid") == uid
+
+
 def _controller(obj: Mapping[str, Any]) -> dict[str, Any] | None:
     for ref in (obj.get("metadata") or {}).get("ownerReferences") or ():
         if ref.get("controller"):
@@ -155,8 +169,7 @@ class KubeClient:
         longer wants); an object of that name that is someone else's is left alone.  Returns
         whether one was deleted."""
         current = await self.get(api_version, kind, namespace, name)
-        owner = _controller(current) if current is not None else None
-        if owner is None or owner.get("uid") != owner_uid:
+        if current is None or not controlled_by(current, owner_uid):
             return False
         try:
             await self._call("DELETE", object_path(api_version, kind, namespace, name))
@@ -186,8 +199,7 @@ class KubeClient:
         if owner is not None and ours is not None and owner.get("uid") != ours.get("uid"):
             raise OwnedElsewhere(f"{kind} {meta['namespace']}/{meta['name']} exists and belongs to "
                                  f"{owner.get('kind')} {owner.get('name')}; delete or rename it")
-        wanted = {k: v for k, v in desired.items() if k != "status"}
-        wanted["metadata"] = dict(meta, ownerReferences=merge_owner_references(current, desired))
+        wanted = wanted_fields(current, desired)
         if contains(current, wanted):
             return "unchanged"
         await self.patch(api_version, kind, meta["namespace"], meta["name"], wanted)

@@ -33,7 +33,8 @@ class OperatorMetrics:
         self.observations = Counter("kvring_operator_observations", "Status observations of CacheClusters",
                                     labels, registry=r)
         self.restored = Counter("kvring_operator_children_restored", "Children a status pass made again "
-                                "(deleted outside the operator) or deleted (not in the spec)", labels, registry=r)
+                                "(deleted outside the operator), patched back (edited outside it) or deleted (not in the "
+                                "spec)", labels, registry=r)
         self._children: dict[Any, set[tuple[str, ...]]] = {}  # metric -> the label values it has a series for
 
     def observe(self, namespace: str, name: str, desired: int | None, status: Mapping[str, Any]) -> None:

@@ -28,6 +28,8 @@ the StatefulSet controller (nothing sets a StatefulSet's ``status`` but the test
 
 Tests can also hold requests (``Hold``): a matching request waits unanswered until the test
 releases it, as a hung API server would, so a test can stop the operator while a call is in flight.
+They can count the requests that name one object (``requests``), and have the server keep a field
+otherwise than written (``normalize``), as a real one does with a quantity it writes canonically.
 
 ``EmulatorThread`` runs the emulator on a loopback port in a thread of its own (kopf's
 ``KopfRunner`` runs the operator in another), writes a kubeconfig for it, and gives tests a small
@@ -124,7 +126,11 @@ class KopfEmulator(kmock.KubernetesEmulator):
     _revision: int = attrs.field(default=0, init=False)
     _journal: dict = attrs.field(factory=lambda: collections.defaultdict(list), init=False)
     holds: list[Hold] = attrs.field(factory=list, init=False)
-    gets: collections.Counter = attrs.field(factory=collections.Counter, init=False)  # GETs of one object, by path
+    # Requests naming one object, by (method, path): what the operator asked of it.
+    requests: collections.Counter = attrs.field(factory=collections.Counter, init=False)
+    # A server that keeps a field otherwise than written (as an API server normalizes a quantity):
+    # each object a create or an update stores passes through this.
+    normalize: Callable[[dict], dict] | None = attrs.field(default=None, init=False)
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -132,8 +138,8 @@ class KopfEmulator(kmock.KubernetesEmulator):
         for hold in list(self.holds):
             if hold.match(request.method.value, request.url.path):
                 await hold.wait()
-        if request.method.value == "GET" and request.name:
-            self.gets[request.url.path] += 1
+        if request.name:
+            self.requests[request.method.value, request.url.path] += 1
         writes = request.action == _CREATE or (request.action in (_UPDATE, _DELETE) and request.name)
         if request.resource is None or not writes:
             # Reads, discovery and anything else: kmock's own dispatch, minus its write logic.
@@ -183,6 +189,8 @@ class KopfEmulator(kmock.KubernetesEmulator):
             obj["kind"] = info.kind
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         meta.pop("deletionTimestamp", None)
+        if self.normalize is not None:
+            obj = self.normalize(obj)
         self._bump(obj)
         if key in self.objects:
             self.objects[key].create(obj)  # a new life after a soft deletion
@@ -232,6 +240,8 @@ class KopfEmulator(kmock.KubernetesEmulator):
         for immutable in ("name", "namespace", "uid", "creationTimestamp", "generation", "resourceVersion"):
             if immutable in old["metadata"]:
                 new["metadata"][immutable] = old["metadata"][immutable]
+        if self.normalize is not None:
+            new = self.normalize(new)
         if new == old:
             return 200, old  # a no-op patch changes nothing, not even the resourceVersion
         if _essence(new) != _essence(old):

@@ -284,11 +284,50 @@ def test_children_changed_by_hand_are_put_back_within_a_pass_and_an_event_says_w
         assert restored == len(gone) + 1
 
         # A pass GETs each child once, the StatefulSet too (its status is read off that GET).
-        reads = lambda: (kube.emulator.gets[gone["StatefulSet"]], kube.emulator.gets[gone["ConfigMap"]])  # noqa: E731
+        reads = lambda: tuple(kube.emulator.requests["GET", gone[kind]] for kind in ("StatefulSet", "ConfigMap"))  # noqa: E731
         sts_before, configmap_before = reads()
         wait_for(lambda: reads()[1] >= configmap_before + 4, what="four more passes")
         sts_gets, configmap_gets = (a - b for a, b in zip(reads(), (sts_before, configmap_before)))
         assert sts_gets <= configmap_gets + 1, (sts_gets, configmap_gets)
+
+
+def test_children_edited_by_hand_get_their_rendered_fields_back_and_a_normalizing_server_one_patch(kube, etcd_server):
+    """An edit of a child the CacheCluster owns (the Service's selector, the ConfigMap's connector
+    JSON) is patched back at the next status pass, what the operator does not render (someone's
+    annotation) is kept, and an event says which.  A server that keeps a rendered field otherwise
+    than written (here: the emulator made to end the connector JSON with a newline, as a real one
+    writes a quantity canonically) gets one patch and a warning, not a patch every pass."""
+    api = kube.api
+    name = "edit"
+    service, configmap = path("v1", "services", name), path("v1", "configmaps", f"{name}-config")
+    with operator() as runner:
+        api.create(cc_path(), cachecluster(name, replicas=2, etcd={"endpoints": [etcd_server.endpoint]}))
+        wait_for(lambda: all(children(api, name).values()), what="children")
+        cc_when(api, name, lambda o: o.get("status", {}).get("observedGeneration") == 1, what="reconciled")
+        selector, data = api.get(service)["spec"]["selector"], api.get(configmap)["data"]
+        api.patch(service, {"metadata": {"annotations": {"team.example/owner": "ml"}},
+                            "spec": {"selector": {k: "elsewhere" for k in selector}}})
+        api.patch(configmap, {"data": {"kv-transfer-config": "{}"}})
+        wait_for(lambda: api.get(service)["spec"]["selector"] == selector and api.get(configmap)["data"] == data,
+                 what="the edits patched back")
+        assert api.get(service)["metadata"]["annotations"]["team.example/owner"] == "ml"
+        told = wait_for(lambda: [e["message"] for e in events_for(api, name) if e["reason"] == "ChildrenRestored"],
+                        what="an event")
+        assert any("put back" in m and f"Service {name}" in m for m in told), told
+        assert any("put back" in m and f"ConfigMap {name}-config" in m for m in told), told
+
+        def newline_ended(obj: dict) -> dict:
+            if obj.get("kind") == "ConfigMap" and obj["metadata"]["name"] == f"{name}-config":
+                obj["data"] = {k: v.rstrip("\n") + "\n" for k, v in obj.get("data", {}).items()}
+            return obj
+        kube.emulator.normalize = newline_ended
+        api.patch(configmap, {"data": {"kv-transfer-config": "{}"}})
+        counts = lambda: (kube.emulator.requests["PATCH", configmap], kube.emulator.requests["GET", configmap])  # noqa: E731
+        patches, gets = counts()
+        wait_for(lambda: counts()[1] >= gets + 5, what="five more passes")
+        assert counts()[0] == patches + 1  # one patch back, then left alone
+        assert api.get(configmap)["data"] == {k: v + "\n" for k, v in data.items()}
+    assert "keeps it otherwise than rendered after a patch" in runner.output
 
 
 def test_a_hung_api_request_costs_a_pass_its_timeout_and_the_status_goes_on(kube, etcd_server):
