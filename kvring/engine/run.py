@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -76,10 +77,12 @@ from kvring.common.contract import transfer_config
 from kvring.common.errors import KVRingError
 
 from .preload import engine_env
+from .zygote import ForkedProcess, ZygoteError, zygote, zygote_enabled
 
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ACTIONS = {"signal", "post", "reset_cache", "wait_for", "touch"}  # spec steps that run no prompt
 IN_PROCESS_ENV = "KVRING_ENGINE_IN_PROCESS"  # "1": engines without a spec's "in_process" run in one process
@@ -283,10 +286,18 @@ class Instance:
                                    f"socket path holds at most 107): point TMPDIR at a shorter directory, e.g. /tmp")
         (tmp / f"{name}.json").write_text(json.dumps(spec))
         env = {**engine_env({**os.environ, **(env or {})}), "TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.engine.run", str(tmp / f"{name}.json"),
-                                          str(self.out)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+        argv = [str(tmp / f"{name}.json"), str(self.out)]
+        self.log.write_text("")
+        self.proc: subprocess.Popen | ForkedProcess | None = None
+        if zygote_enabled():
+            try:
+                self.proc = zygote(engine_env()).spawn(argv, str(self.log), env)
+            except ZygoteError as exc:
+                logger.warning("vLLM instance %s: %s; starting it as a process of its own", name, exc)
+        if self.proc is None:
+            with open(self.log, "w") as log:
+                self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvring.engine.run", *argv], stdout=log,
+                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def check(self) -> None:
         """Raise if the instance has exited with an error (the end of its log in the message)."""
@@ -581,10 +592,15 @@ def _wait_for(path: Path, timeout: float) -> None:
         time.sleep(0.02)
 
 
-if __name__ == "__main__":
-    spec = json.loads(Path(sys.argv[1]).read_text())
+def main(argv: list[str]) -> None:
+    """An instance's process: ``argv`` is ``[SPEC, OUT]`` (a spawned one's, or a zygote's child's)."""
+    spec = json.loads(Path(argv[0]).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
     _bind_workers(spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1))
     if in_process(spec):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vLLM builds the engine
-    Path(sys.argv[2]).write_text(json.dumps(run(spec)))
+    Path(argv[1]).write_text(json.dumps(run(spec)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
