@@ -75,9 +75,17 @@ def test_a_stopped_instance_leaves_no_process_and_a_dead_zygote_is_replaced(mode
     assert hung.proc.poll() is not None
     assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped
 
+    # The zygote killed under a running instance: the instance runs on (a session of its own),
+    # its driver still sees it running, and stopping it still ends it.
+    orphan = start_instance(tmp_path, "orphan", _spec(model, before=[{"touch": str(tmp_path / "orphan-started")},
+                                                                     {"wait_for": str(tmp_path / "never")}]))
+    orphan.wait_file(tmp_path / "orphan-started", timeout=120)
     first = zygote(engine_env())
     first.proc.kill()
     first.proc.wait()
+    assert orphan.proc.poll() is None
+    orphan.stop()
+    assert orphan.proc.poll() is not None
     again = start_instance(tmp_path, "after", _spec(model))
     try:
         assert isinstance(again.proc, ForkedProcess) and zygote(engine_env()) is not first

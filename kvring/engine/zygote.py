@@ -122,8 +122,8 @@ class ForkedProcess:
         if self.returncode is None:
             try:
                 self.returncode = self._owner.ask({"poll": self.pid})["code"]
-            except ZygoteError:  # the zygote is gone, and with it what it knew: killed with it
-                self.returncode = -9
+            except ZygoteError:  # the zygote is gone, its children not (their own sessions): look
+                self.returncode = None if _running(self.pid) else -9  # (its exit code went with the zygote)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -133,6 +133,15 @@ class ForkedProcess:
                 raise subprocess.TimeoutExpired(f"instance pid {self.pid}", timeout)
             time.sleep(_POLL_INTERVAL)
         return self.returncode
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # ---- the zygote itself --------------------------------------------------------------------------
