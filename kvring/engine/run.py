@@ -287,7 +287,6 @@ class Instance:
         (tmp / f"{name}.json").write_text(json.dumps(spec))
         env = {**engine_env({**os.environ, **(env or {})}), "TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch}
         argv = [str(tmp / f"{name}.json"), str(self.out)]
-        self.log.write_text("")
         self.proc: subprocess.Popen | ForkedProcess | None = None
         if zygote_enabled():
             try:

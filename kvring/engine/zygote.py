@@ -16,7 +16,8 @@ one line on its stdout; it ends when its stdin closes (the driver ended).  It re
 and keeps their exit codes until asked:
 
 - ``{"spawn": [spec, out], "log": path, "env": {...}}`` -> ``{"pid": N}``
-- ``{"poll": N}`` -> ``{"code": int | null}`` (null: still running)
+- ``{"poll": N}`` -> ``{"code": int | null}`` (null: still running; a code is given once, and
+  ``ForkedProcess`` keeps it)
 
 ``ForkedProcess`` is the driver's handle on a child, with the calls of ``subprocess.Popen`` that
 ``Instance`` and ``stop_process_group`` make (``pid``, ``poll``, ``wait``, ``returncode``).
@@ -151,7 +152,7 @@ def _child(argv: list[str], log: str, env: dict[str, str]) -> None:
     code = 1
     try:
         os.setsid()
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
@@ -160,8 +161,6 @@ def _child(argv: list[str], log: str, env: dict[str, str]) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(env)
-        import tempfile
-
         tempfile.tempdir = None  # read TMPDIR again
         from kvring.engine import run
 
@@ -184,8 +183,8 @@ def _child(argv: list[str], log: str, env: dict[str, str]) -> None:
 
 def serve(requests: IO[str], answers: IO[str]) -> None:
     """The zygote's loop (see the module docstring)."""
-    codes: dict[int, int] = {}
-    children: set[int] = set()
+    codes: dict[int, int] = {}  # children reaped, until their code is asked for
+    children: set[int] = set()  # children not reaped yet
     for line in requests:
         request = json.loads(line)
         try:
@@ -199,12 +198,12 @@ def serve(requests: IO[str], answers: IO[str]) -> None:
                 answer = {"pid": pid}
             elif "poll" in request:
                 pid = request["poll"]
-                if pid not in codes and pid in children:
+                if pid in children:
                     done, status = os.waitpid(pid, os.WNOHANG)
                     if done:
                         children.discard(pid)
                         codes[pid] = os.waitstatus_to_exitcode(status)
-                answer = {"code": codes.get(pid) if pid in codes or pid in children else -1}
+                answer = {"code": None if pid in children else codes.pop(pid, -1)}  # -1: not a child
             else:
                 answer = {"error": f"unknown request {sorted(request)}"}
         except OSError as exc:
