@@ -50,6 +50,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
+
 from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
 from .identity import DiskError, DiskIdentity, claim_directory, lock_directory
@@ -121,7 +123,7 @@ class DiskTier:
     """One node's disk tier (see the module docstring).  ``take`` allocates payload buffers;
     ``on_gone`` hears each chunk that leaves the tier by itself, with its key and its vLLM blocks:
     evicted with its segment (on the writer thread), or dropped as corrupt when read (on a
-    reader thread)."""
+    reader thread); with it, a chunk read back carries its blocks too (``_with_blocks``)."""
 
     def __init__(self, config: DiskConfig, identity: DiskIdentity, take: Callable[[int], object],
                  on_gone: Callable[[bytes, ChunkBlocks | None], None] | None = None) -> None:
@@ -285,16 +287,24 @@ class DiskTier:
 
     def _read_blocks(self, location: Location, done: Callable[[ChunkBlocks | None], None]) -> None:
         self.wait_if_stalled()
+        entry = self._journal_entry(location)
+        if entry is not None:
+            done(decode_blocks(entry.blocks))
+
+    def _journal_entry(self, location: Location) -> Stored | None:
+        """The ``Stored`` entry of the journal at ``location.entry`` (None: not journaled yet, or
+        it cannot be read whole)."""
+        if location.entry < 0:
+            return None
         try:
             with open(os.path.join(self.directory, segment_name(location.segment, JOURNAL_SUFFIX)), "rb") as f:
                 f.seek(location.entry)
                 head = f.read(ENTRY_HEAD.size)
                 body = f.read(ENTRY_HEAD.unpack(head)[0]) if len(head) == ENTRY_HEAD.size else b""
         except (OSError, struct.error):
-            return
+            return None
         entry = decode_entry_at(head + body)
-        if type(entry) is Stored:
-            done(decode_blocks(entry.blocks))
+        return entry if type(entry) is Stored else None
 
     def stall(self, seconds: float) -> None:
         """Fault injection: every disk operation waits until ``seconds`` from now first."""
@@ -334,8 +344,18 @@ class DiskTier:
             with self.index.lock:
                 self.counts["reads"] += 1
                 self.counts["read_bytes"] += meta.nbytes
+            if self.on_gone is not None:
+                meta = self._with_blocks(key, meta, location)
             result = ReadResult(meta, buf)
         done(result)
+
+    def _with_blocks(self, key: bytes, meta: ChunkMeta, location: Location) -> ChunkMeta:
+        """``meta`` (a record's: it keeps no vLLM blocks) with the blocks its journal entry
+        records, so that memory, holding the chunk again, announces them when it lets it go."""
+        entry = self._journal_entry(location)
+        if entry is None or entry.key != key or entry.blocks is None:
+            return meta
+        return msgspec.structs.replace(meta, blocks=decode_blocks(entry.blocks))
 
     def read_record(self, key: bytes, location: Location, take: Callable[[int], object] | None = None
                     ) -> tuple[ChunkMeta, object]:
