@@ -13,8 +13,8 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
   create-or-patch every other child; delete the optional children it made that the spec no
   longer wants (NetworkPolicies turned off, the event stream turned off).
 - ``observe`` (timer): once ``reconcile`` is done with the current spec, create again any child
-  deleted outside the operator and delete an optional one the spec does not want (a warning
-  event says which); read the StatefulSet, the members and the event stream's record in etcd
+  deleted outside the operator, patch back the rendered fields of one edited outside it, and
+  delete an optional one the spec does not want (a warning event says which); read the StatefulSet, the members and the event stream's record in etcd
   (one read) and the nodes' ``/stats``;
   finish a scale-in once its nodes are drained or its timeout passed; with a disk tier, step
   the rolling update on (``rollout``: restart markers in etcd, the StatefulSet's partition);
@@ -88,6 +88,15 @@ def once_secrets(name: str, namespace: str, spec: ClusterSpec) -> list[tuple[str
     made.append((render.node_token_secret(name),
                  lambda: render.render_node_token_secret(name, namespace, secrets.token_hex(32))))
     return made
+
+
+def held(cs: ClusterSpec, current: Mapping[str, Any] | None, rendered: dict[str, Any]) -> dict[str, Any]:
+    """``rendered``, the node StatefulSet, as it is applied over ``current``: with a disk tier its
+    rolling update's partition holds every pod when the pod template changes, so the controller
+    replaces none and the status pass rolls them one at a time (``rollout``)."""
+    if cs.disk is not None:
+        rendered["spec"]["updateStrategy"] = render.update_strategy(cs, rollout.held_partition(current, rendered))
+    return rendered
 
 
 def reconciled(meta: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
@@ -194,8 +203,8 @@ class CacheClusterHandlers:
             logger.error("%s", problem)
             kopf.warn(body, reason="DiskImmutable", message=problem)
             children = children[:-1]
-        elif cs.disk is not None:  # a new pod template is held; the status timer rolls it pod by pod
-            children[-1]["spec"]["updateStrategy"] = render.update_strategy(cs, rollout.held_partition(sts, children[-1]))
+        else:
+            held(cs, sts, children[-1])
         for secret_name, make in once_secrets(name, namespace, cs):
             results.append(("Secret", secret_name, await self._ensure_secret(namespace, body, secret_name, make)))
         for child in children:
@@ -334,13 +343,13 @@ class CacheClusterHandlers:
             return
 
         assert self.kube is not None
-        sts = await self._converge_children(name, namespace, cs, body, generation, logger) \
+        pending = scaling.ScaleIn.from_annotation(meta.get("annotations", {}).get(scaling.SCALE_IN_ANNOTATION))
+        sts = await self._converge_children(name, namespace, cs, body, generation, pending is not None, logger) \
             if reconciled(meta, status) else None
         if sts is None:  # not reconciled yet, or made again just now
             sts = await self._get_statefulset(name, namespace)
         target = etcd_target(name, namespace, cs, None)
         members, revision, pool_events, etcd_error = await self._members(self.etcd(target))
-        pending = scaling.ScaleIn.from_annotation(meta.get("annotations", {}).get(scaling.SCALE_IN_ANNOTATION))
         if pending is not None and sts is not None and members is not None:
             sts, pending = await self._advance_scale_in(name, namespace, cs, sts, pending, members, body, patch, logger)
 
@@ -362,13 +371,13 @@ class CacheClusterHandlers:
             patch.status.update(update)
 
     async def _converge_children(self, name: str, namespace: str, cs: ClusterSpec, body: kopf.Body,
-                                 generation: int, logger: logging.Logger) -> dict[str, Any] | None:
+                                 generation: int, scaling_in: bool, logger: logging.Logger) -> dict[str, Any] | None:
         """Put back what was changed outside the operator (by hand, or by a tool): create the
         children the spec wants that are gone, as ``reconcile`` would make them anew; patch back
         the fields it renders of the ones it owns that were edited (``_put_back``); delete the
         optional ones it no longer wants.  A warning event says what it did.  Returns the node
-        StatefulSet as its GET found it (the pass reads its status off it), or None if it was
-        missing or the API did not answer.
+        StatefulSet as its GET found it or the patch back left it (the pass reads its status off
+        it), or None if it was missing or the API did not answer.
 
         A spec update's ``reconcile`` may be running beside this pass, which read the spec
         before: a create cannot undo its patches (whichever creates first stands, the other
@@ -378,9 +387,10 @@ class CacheClusterHandlers:
         read the spec before such an update may recreate an optional child the update has just
         deleted; the next pass, reading the new spec, deletes it again.  A child of that name
         that another owner holds is neither missing nor patched (``reconcile`` reports it as
-        ``NameTaken``).  The node StatefulSet is made again if it is gone, but an edit of it is
-        not patched back here: its replicas and rolling partition are a scale-in's and a roll's,
-        which ``reconcile`` plans.  A recreated ``<name>-tls`` or ``<name>-node-token`` holds new
+        ``NameTaken``).  The node StatefulSet is put back as ``reconcile`` applies it: with its
+        rolling partition held (``held``) and, while a scale-in is in progress (``scaling_in``), its
+        replicas as they are (the scale-in shrinks it once its nodes have drained); not while
+        ``spec.disk`` asks for claims it cannot take (``rollout.disk_change``).  A recreated ``<name>-tls`` or ``<name>-node-token`` holds new
         content (pods started before keep what they read then until they restart); an edited
         one is left as it is (``_ensure_secret``).  One GET per child and pass."""
         assert self.kube is not None
@@ -400,13 +410,23 @@ class CacheClusterHandlers:
             for child, obj in zip(wanted, found[len(made_once):]):
                 what = f"{child['kind']} {child['metadata']['name']}"
                 node_sts = child["kind"] == "StatefulSet" and child["metadata"]["name"] == name
+                if node_sts:
+                    sts = obj
                 if obj is None:
                     if await self._create(body, child):
                         recreated.append(what)
-                elif not node_sts and await self._put_back(body, generation, child, obj, logger):
-                    corrected.append(what)
+                    continue
                 if node_sts:
-                    sts = obj
+                    if rollout.disk_change(obj, child):
+                        continue
+                    if scaling_in:
+                        child["spec"]["replicas"] = obj["spec"].get("replicas")
+                    held(cs, obj, child)
+                patched = await self._put_back(body, generation, child, obj, logger)
+                if patched is not None:
+                    corrected.append(what)
+                    if node_sts:
+                        sts = patched
             deleted = await self._delete_unwanted(name, namespace, wanted, body)
         except (KubeError, kopf.TemporaryError) as exc:  # the API did not answer: the next pass goes on
             logger.warning("cannot check or restore the children now: %s", exc)
@@ -421,27 +441,28 @@ class CacheClusterHandlers:
         return sts
 
     async def _put_back(self, body: kopf.Body, generation: int, child: dict[str, Any], current: dict[str, Any],
-                        logger: logging.Logger) -> bool:
+                        logger: logging.Logger) -> dict[str, Any] | None:
         """Patch ``current`` (this pass's GET of an existing child) back to the fields ``child``
-        renders, if it is the CacheCluster's own and differs; whether it was patched.  The patch
-        carries ``current``'s resourceVersion, so a change made since (``reconcile`` applying a
-        newer spec) wins: a conflict, and nothing is patched.  If the server's copy still differs
-        after the patch, the server normalizes what was rendered (a quantity, a default): that
-        child is left alone until its rendering changes, rather than patched every pass."""
+        renders, if it is the CacheCluster's own and differs; the server's answer to the patch,
+        or None if none was sent or it was refused.  The patch carries ``current``'s
+        resourceVersion, so a change made since (``reconcile`` applying a newer spec) wins: a
+        conflict, and nothing is patched.  If the server's copy still differs after the patch,
+        the server normalizes what was rendered (a quantity, a default): that child is left alone
+        until its rendering changes, rather than patched every pass."""
         assert self.kube is not None
         meta = child["metadata"]
         if not controlled_by(current, body.metadata.uid):
-            return False
+            return None
         kopf.adopt(child, owner=body)
         wanted = wanted_fields(current, child)
         if contains(current, wanted):
-            return False
+            return None
         key = (child["kind"], meta["namespace"], meta["name"])
         rendering = json.dumps(wanted, sort_keys=True)
         if self._unsettled.get(key) == rendering:
-            return False
+            return None
         if int(body.metadata.get("generation") or 0) != generation:  # a newer spec is being applied
-            return False
+            return None
         precondition = {**wanted, "metadata": {**wanted["metadata"],
                                                "resourceVersion": current["metadata"]["resourceVersion"]}}
         try:
@@ -449,13 +470,13 @@ class CacheClusterHandlers:
                                             precondition)
         except KubeError as exc:
             if exc.status in (404, 409):  # deleted or changed since this pass read it: the next pass looks
-                return False
+                return None
             raise
         if not contains(patched, wanted):
             self._unsettled[key] = rendering
             logger.warning("%s %s: the API server keeps it otherwise than rendered after a patch (it normalizes a "
                            "field); not patched again until its rendering changes", child["kind"], meta["name"])
-        return True
+        return patched
 
     async def _members(self, etcd: Etcd) -> tuple[dict[str, st.Member] | None, int, PoolEventsRecord | None, str]:
         """(members, revision, the event stream's record, error) from one read of the cluster's

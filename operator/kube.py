@@ -67,11 +67,20 @@ def contains(current: Any, desired: Any) -> bool:
     return current == desired
 
 
+# The spec fields an update of a StatefulSet may change; the API server refuses a change of any
+# other (the selector, service name, claim templates and pod management policy are set at creation).
+STATEFULSET_UPDATABLE = frozenset({"replicas", "ordinals", "template", "updateStrategy",
+                                   "persistentVolumeClaimRetentionPolicy", "minReadySeconds"})
+
+
 def wanted_fields(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
     """What ``current`` must hold to be ``desired``, as a merge patch would write it: every
-    rendered field but the status, and the owner references of both."""
+    rendered field but the status (of a StatefulSet's spec, those an update may change), and the
+    owner references of both."""
     wanted = {k: v for k, v in desired.items() if k != "status"}
     wanted["metadata"] = dict(desired["metadata"], ownerReferences=merge_owner_references(current, desired))
+    if desired.get("kind") == "StatefulSet":
+        wanted["spec"] = {k: v for k, v in desired["spec"].items() if k in STATEFULSET_UPDATABLE}
     return wanted
 
 

@@ -293,28 +293,40 @@ def test_children_changed_by_hand_are_put_back_within_a_pass_and_an_event_says_w
 
 def test_children_edited_by_hand_get_their_rendered_fields_back_and_a_normalizing_server_one_patch(kube, etcd_server):
     """An edit of a child the CacheCluster owns (the Service's selector, the ConfigMap's connector
-    JSON) is patched back at the next status pass, what the operator does not render (someone's
-    annotation) is kept, and an event says which.  A server that keeps a rendered field otherwise
+    JSON, the node StatefulSet's replicas and image) is patched back at the next status pass,
+    what the operator does not render (someone's annotation) is kept, and an event says which.  A server that keeps a rendered field otherwise
     than written (here: the emulator made to end the connector JSON with a newline, as a real one
     writes a quantity canonically) gets one patch and a warning, not a patch every pass."""
     api = kube.api
     name = "edit"
     service, configmap = path("v1", "services", name), path("v1", "configmaps", f"{name}-config")
+    statefulset = path("apps/v1", "statefulsets", name)
     with operator() as runner:
         api.create(cc_path(), cachecluster(name, replicas=2, etcd={"endpoints": [etcd_server.endpoint]}))
         wait_for(lambda: all(children(api, name).values()), what="children")
         cc_when(api, name, lambda o: o.get("status", {}).get("observedGeneration") == 1, what="reconciled")
         selector, data = api.get(service)["spec"]["selector"], api.get(configmap)["data"]
+        template = api.get(statefulset)["spec"]["template"]
         api.patch(service, {"metadata": {"annotations": {"team.example/owner": "ml"}},
                             "spec": {"selector": {k: "elsewhere" for k in selector}}})
         api.patch(configmap, {"data": {"kv-transfer-config": "{}"}})
-        wait_for(lambda: api.get(service)["spec"]["selector"] == selector and api.get(configmap)["data"] == data,
-                 what="the edits patched back")
+        edited = json.loads(json.dumps(template))
+        edited["spec"]["containers"][0]["image"] = "example.com/someone-elses:1"
+        api.patch(statefulset, {"metadata": {"annotations": {"team.example/owner": "ml"}},
+                                "spec": {"replicas": 5, "template": edited}})
+
+        def put_back() -> bool:
+            sts = api.get(statefulset)
+            return (api.get(service)["spec"]["selector"] == selector and api.get(configmap)["data"] == data
+                    and sts["spec"]["replicas"] == 2 and sts["spec"]["template"] == template)
+        wait_for(put_back, what="the edits patched back")
         assert api.get(service)["metadata"]["annotations"]["team.example/owner"] == "ml"
+        assert api.get(statefulset)["metadata"]["annotations"]["team.example/owner"] == "ml"
         told = wait_for(lambda: [e["message"] for e in events_for(api, name) if e["reason"] == "ChildrenRestored"],
                         what="an event")
         assert any("put back" in m and f"Service {name}" in m for m in told), told
         assert any("put back" in m and f"ConfigMap {name}-config" in m for m in told), told
+        assert any("put back" in m and f"StatefulSet {name}" in m for m in told), told
 
         def newline_ended(obj: dict) -> dict:
             if obj.get("kind") == "ConfigMap" and obj["metadata"]["name"] == f"{name}-config":
