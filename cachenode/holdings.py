@@ -18,7 +18,8 @@ through both.  Memory is the hot tier over the disk:
   the read timeout (the disk is stalled: a miss at once, not another waiter).
 
 KV events (``events.py``) follow what the node holds, not which tier: a chunk moving between
-memory and disk is not announced; one that leaves both is.  A node that restarts with chunks on
+memory and disk is not announced; one that leaves both is (also one memory let go while its disk
+write was queued, if the write then fails or the chunk is deleted first).  A node that restarts with chunks on
 disk announces them again after its ``AllBlocksCleared`` (from a thread, at the publisher's pace).
 
 Threading contract: everything here runs on the data loop, except ``announce_disk`` (its own
@@ -37,9 +38,8 @@ from dataclasses import dataclass
 
 from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
-from .disk.index import Location
 from .disk.records import JOURNAL_SUFFIX, Stored, decode_blocks, decode_entries, segment_name
-from .disk.tier import DiskTier, ReadResult
+from .disk.tier import DiskTier, Dropped, ReadResult
 from .events import NodeEvents
 from .server import Server
 from .store import ChunkStore, Entry, StoreFull
@@ -70,6 +70,7 @@ class Holdings:
             store.watch(_HeldEvents(self))
         if disk is not None:
             disk.on_gone = lambda key, blocks: server.post(lambda: self._disk_gone(key, blocks))
+            disk.on_unwritten = lambda key, blocks: server.post(lambda: self._unwritten(key, blocks))
 
     # ---- presence --------------------------------------------------------------------------
 
@@ -115,13 +116,12 @@ class Holdings:
     def delete(self, key: bytes) -> bool:
         if self.disk is None:
             return self.store.delete(key)
-        location = self.disk.location(key)
-        on_disk = self.disk.delete(key)
+        dropped = self.disk.delete(key)
         if self.store.delete(key):
             return True
-        if location is not None:
-            self._left_disk(key, location)
-        return on_disk
+        if dropped is not None:
+            self._left_disk(key, dropped)
+        return dropped is not None
 
     def delete_namespace(self, namespace: str) -> int:
         if not namespace:
@@ -129,11 +129,10 @@ class Holdings:
         if self.disk is None:
             return self.store.delete_namespace(namespace)
         only_on_disk = 0
-        for key, location in self.disk.delete_namespace(namespace).items():
+        for key, dropped in self.disk.delete_namespace(namespace).items():
             if key not in self.store:
                 only_on_disk += 1
-                if location is not None:
-                    self._left_disk(key, location)
+                self._left_disk(key, dropped)
         return self.store.delete_namespace(namespace) + only_on_disk
 
     # ---- reads -----------------------------------------------------------------------------
@@ -204,10 +203,22 @@ class Holdings:
 
     # ---- KV events -------------------------------------------------------------------------
 
-    def _left_disk(self, key: bytes, location: Location) -> None:
-        """A chunk held only on disk was deleted: announce its blocks (read from its journal entry)."""
-        if self.events is not None:
-            self.disk.blocks_of(location, lambda blocks: self.server.post(lambda: self._disk_gone(key, blocks)))
+    def _left_disk(self, key: bytes, dropped: Dropped) -> None:
+        """A chunk memory no longer held was deleted from the disk: announce its blocks (read from
+        its journal entry, or the ones its queued write carried)."""
+        if self.events is None:
+            return
+        if dropped.location is not None:
+            self.disk.blocks_of(dropped.location, lambda blocks: self.server.post(lambda: self._disk_gone(key, blocks)))
+        elif dropped.blocks is not None:
+            self.events.blocks_changed(False, dropped.blocks)
+
+    def _unwritten(self, key: bytes, blocks: ChunkBlocks | None) -> None:
+        """Memory let a chunk go while it was queued for the disk (so did not announce it), and
+        the write failed: unless it is held again since, it is held nowhere now."""
+        if key in self.disk or key in self.store or self.events is None or blocks is None:
+            return
+        self.events.blocks_changed(False, blocks)
 
     def _disk_gone(self, key: bytes, blocks: ChunkBlocks | None) -> None:
         """A chunk left the disk (deleted, evicted with its segment, dropped as corrupt).  If
@@ -278,5 +289,5 @@ class _HeldEvents:
 
     def removed(self, key: bytes, meta: ChunkMeta) -> None:
         disk = self.holdings.disk
-        if disk is None or key not in disk:  # else: it stays on disk
+        if disk is None or not disk.take_over(key):  # else: it stays on disk (or says if its write fails)
             self.holdings.events.removed(key, meta)

@@ -108,6 +108,17 @@ class _Write:
     meta: ChunkMeta
     buf: object
     cancelled: bool = False
+    written: bool = False  # indexed: on disk now
+    released: bool = False  # memory let the chunk go while it was queued (``take_over``)
+
+
+@dataclass(slots=True)
+class Dropped:
+    """What a delete took from the tier: where the chunk's record was, or, for one still queued
+    (``location`` None), the vLLM blocks its write carried."""
+
+    location: Location | None
+    blocks: ChunkBlocks | None = None
 
 
 @dataclass(slots=True)
@@ -123,7 +134,10 @@ class DiskTier:
     """One node's disk tier (see the module docstring).  ``take`` allocates payload buffers;
     ``on_gone`` hears each chunk that leaves the tier by itself, with its key and its vLLM blocks:
     evicted with its segment (on the writer thread), or dropped as corrupt when read (on a
-    reader thread); with it, a chunk read back carries its blocks too (``_with_blocks``)."""
+    reader thread); with it, a chunk read back carries its blocks too (``_with_blocks``).
+    ``on_unwritten`` hears each chunk memory let go while it was queued for the disk
+    (``take_over``) that was then not written (too large, the disk full or failing), on the
+    writer thread."""
 
     def __init__(self, config: DiskConfig, identity: DiskIdentity, take: Callable[[int], object],
                  on_gone: Callable[[bytes, ChunkBlocks | None], None] | None = None) -> None:
@@ -132,6 +146,7 @@ class DiskTier:
         self.identity = identity
         self._take = take
         self.on_gone = on_gone
+        self.on_unwritten: Callable[[bytes, ChunkBlocks | None], None] | None = None
         self.index = DiskIndex()
         self.report = RebuildReport()
         self._lock_fd = -1
@@ -211,6 +226,17 @@ class DiskTier:
     def queued_bytes(self) -> int:
         return self._queued_bytes
 
+    def take_over(self, key: bytes) -> bool:
+        """Memory lets ``key``'s chunk go: whether the tier holds it, written or queued.  A queued
+        one is marked, so that a write of it that fails is told to ``on_unwritten`` (with the
+        chunk held nowhere then); one whose write has ended is judged by the index alone."""
+        with self._cond:
+            write = self._pending.get(key)
+            if write is not None:
+                write.released = True
+                return True
+            return key in self.index.entries
+
     def holds(self, key: bytes) -> bool:
         """On disk now (not only queued)."""
         return key in self.index.entries
@@ -231,24 +257,25 @@ class DiskTier:
             self._cond.notify()
         return True
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes) -> Dropped | None:
+        """Drop ``key``'s chunk, written or queued; what was dropped (None: the tier had none)."""
         with self._cond:
             write = self._pending.pop(key, None)
             if write is not None:
                 write.cancelled = True
-            if self.index.remove(key) is None:
-                return write is not None
+            location = self.index.remove(key)
+            if location is None:
+                return Dropped(None, write.meta.blocks) if write is not None else None
             self._queue.append(Deleted(key))
             self._cond.notify()
-        return True
+        return Dropped(location)
 
     def location(self, key: bytes) -> Location | None:
         with self.index.lock:
             return self.index.entries.get(key)
 
-    def delete_namespace(self, namespace: str) -> dict[bytes, Location | None]:
-        """Drop every chunk of ``namespace``; returns their keys and where they were (None: only
-        queued)."""
+    def delete_namespace(self, namespace: str) -> dict[bytes, Dropped]:
+        """Drop every chunk of ``namespace``, written or queued; what was dropped, by key."""
         with self._cond:
             cancelled = [w for w in self._pending.values() if w.meta.namespace == namespace]
             for write in cancelled:
@@ -257,7 +284,8 @@ class DiskTier:
             removed = self.index.remove_namespace(namespace)
             self._queue.append(Flushed(namespace))
             self._cond.notify()
-        return {**removed, **{write.key: None for write in cancelled}}
+        return {**{key: Dropped(location) for key, location in removed.items()},
+                **{write.key: Dropped(None, write.meta.blocks) for write in cancelled}}
 
     def keys_after(self, after: bytes, limit: int) -> list[bytes]:
         with self.index.lock:
@@ -432,6 +460,11 @@ class DiskTier:
                             self._queued_bytes -= item.meta.nbytes
                             if self._pending.get(item.key) is item:
                                 del self._pending[item.key]
+                    lost = [item for item in batch if type(item) is _Write and item.released and not item.written
+                            and not item.cancelled]
+                if self.on_unwritten is not None:
+                    for item in lost:
+                        self.on_unwritten(item.key, item.meta.blocks)
 
     def _write_batch(self, batch: list) -> None:
         self.wait_if_stalled()
@@ -460,6 +493,7 @@ class DiskTier:
                 entry = encode_entry(Stored(item.key, location.offset, location.length, item.meta.namespace,
                                             blocks_bytes(item.meta)))
                 self.index.add(item.key, dataclasses.replace(location, entry=at))
+                item.written = True
                 entries.append(entry)
                 at += len(entry)
                 self.counts["written"] += 1

@@ -10,6 +10,7 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
+from faults import inject
 from kv_event_tap import EventTap, removed_hashes, replay, stored_hashes
 from polling import wait_for
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -285,3 +286,32 @@ def test_with_a_disk_tier_events_follow_what_the_node_holds_not_which_tier(clust
         assert isinstance(history[0][1].events[0], AllBlocksCleared)
         assert sorted(stored_hashes([e for _, b in history for e in b.events])) == sorted(
             h for i in kept for h in _hashes(i))
+
+
+def test_with_a_disk_tier_a_chunk_let_go_while_queued_for_the_disk_is_announced_once_held_nowhere(cluster_factory):
+    """Memory lets a chunk go unannounced while its disk write is queued (the disk will hold it).
+    If the chunk is then deleted before it is written, or its write fails (here: a chunk too large
+    for the disk), it is held nowhere, and its blocks are announced removed; one memory still
+    holds stays announced as held, whatever its write did."""
+    cluster = cluster_factory(nodes=1, memory=16 << 20, disk=16 << 20, contract=Contract(chunk_size=CHUNK_TOKENS),
+                              node_args=["--fault-injection"])
+    small, big, kept = _chunk(0), _chunk(1, nbytes=9 << 20), _chunk(2, nbytes=9 << 20)  # the disk takes 8 MiB at most
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        tap = EventTap([next(iter(client.members.values())).events_addr])
+        time.sleep(0.3)
+        try:
+            inject(cluster, cluster.nodes[0], "disk-stall?seconds=3")  # the writes wait in the queue
+            for item in (small, big, kept):  # the third pushes the first two out of memory
+                assert client.put_many([item]) == [1]
+            assert client.stats()["node-0"]["evictions"] == 2 and client.stats()["node-0"]["disk"]["queued"] == 3
+            assert client.delete([small.key]) == 1
+            wait_for(lambda: removed_hashes(tap.events()) == _hashes(0), 10, "the queued chunk's delete announced")
+            wait_for(lambda: client.stats()["node-0"]["disk"]["too_large"] == 2, 10, "the large writes refused")
+            wait_for(lambda: sorted(removed_hashes(tap.events())) == _hashes(0) + _hashes(1), 10,
+                     "the chunk whose write failed announced")
+            time.sleep(0.5)
+            assert sorted(removed_hashes(tap.events())) == _hashes(0) + _hashes(1)  # not the one memory holds
+            assert sorted(stored_hashes(tap.events())) == _hashes(0) + _hashes(1) + _hashes(2)
+            assert client.lookup([small.key, big.key, kept.key]) == [False, False, True]
+        finally:
+            tap.close()
