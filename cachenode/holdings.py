@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PREFETCHES = 256
 MAX_READS = 4096
+ANNOUNCE_PIECE = 1024  # chunks kept over a restart announced in one turn of the loop
 
 
 class Holdings:
@@ -66,6 +67,7 @@ class Holdings:
         self._rewrites = disk is not None and (
             disk.config.capacity >= 2 * store.capacity + 2 * disk.config.segment_size)
         self.read_timeouts = 0
+        self.announced_kept = 0  # chunks the disk kept over the restart, announced
         if events is not None:
             store.watch(_HeldEvents(self))
         if disk is not None:
@@ -238,33 +240,51 @@ class Holdings:
             self.events.blocks_changed(False, blocks)
 
     def announce_disk(self) -> None:
-        """Announce the chunks the disk kept over a restart (a thread of its own)."""
+        """Announce the chunks the disk kept over a restart: a thread of its own reads the
+        journals, the loop announces what the disk still holds (``_announce_kept``)."""
         if self.events is None or self.disk is None or not len(self.disk):
             return
         threading.Thread(target=self._announce, name="kvring-disk-announce", daemon=True).start()
 
     def _announce(self) -> None:
         disk, publisher = self.disk, self.events.publisher
-        announced = 0
         for number in list(disk.index.segments):
             try:
                 with open(os.path.join(disk.directory, segment_name(number, JOURNAL_SUFFIX)), "rb") as f:
                     entries, _ = decode_entries(f.read())
             except OSError:
                 continue
-            for _, entry in entries:
-                if type(entry) is not Stored or entry.blocks is None:
-                    continue
-                location = disk.index.entries.get(entry.key)
-                if location is None or location.segment != number or location.offset != entry.offset:
-                    continue
+            kept = [_Kept(entry.key, number, entry.offset, blocks) for _, entry in entries
+                    if type(entry) is Stored and (blocks := decode_blocks(entry.blocks)) is not None]
+            for start in range(0, len(kept), ANNOUNCE_PIECE):
                 while publisher.backlog > publisher.settings.max_queued // 2:
                     time.sleep(0.01)
-                blocks = decode_blocks(entry.blocks)
-                if blocks is not None:
-                    self.events.blocks_changed(True, blocks)
-                    announced += 1
-        logger.info("disk %s: announced %d chunks kept over the restart", disk.directory, announced)
+                piece, done = kept[start:start + ANNOUNCE_PIECE], threading.Event()
+                self.server.post(lambda piece=piece, done=done: (self._announce_kept(piece), done.set()))
+                done.wait()  # the backlog above counts it once announced
+        self.server.post(lambda: logger.info("disk %s: announced %d chunks kept over the restart", disk.directory,
+                                             self.announced_kept))
+
+    def _announce_kept(self, kept: list[_Kept]) -> None:
+        """Announce the chunks of ``kept`` the disk still holds where their journal entry put
+        them.  On the loop, as deletes are, so a chunk deleted or evicted while the journals were
+        read is either not announced or announced before its removal, never after it."""
+        entries = self.disk.index.entries
+        for k in kept:
+            location = entries.get(k.key)
+            if location is not None and location.segment == k.segment and location.offset == k.offset:
+                self.events.blocks_changed(True, k.blocks)
+                self.announced_kept += 1
+
+
+@dataclass(slots=True)
+class _Kept:
+    """A chunk a journal names, with its vLLM blocks, to announce if the disk still holds it."""
+
+    key: bytes
+    segment: int
+    offset: int
+    blocks: ChunkBlocks
 
 
 @dataclass(slots=True)
