@@ -121,6 +121,10 @@ class CacheClusterHandlers:
         # (the API server normalizes a field it renders otherwise): (kind, namespace, name) ->
         # that rendering, left alone until the rendering changes (``_put_back``).
         self._unsettled: dict[tuple[str, str, str], str] = {}
+        # Status passes in flight, and whether ``shutdown`` has begun: it cancels the passes and
+        # waits for them before it closes the clients they use.
+        self._passes: set[asyncio.Future] = set()
+        self._stopping = False
 
     # ---- operator lifecycle ------------------------------------------------------------------
 
@@ -137,6 +141,13 @@ class CacheClusterHandlers:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.stats_timeout))
 
     async def shutdown(self, **_: Any) -> None:
+        # kopf may start a timer's pass while it stops, and runs this beside it: a pass left
+        # running would send its requests over the clients closed below.
+        self._stopping = True
+        for work in self._passes:
+            work.cancel()
+        if self._passes:
+            await asyncio.wait(self._passes, timeout=STOP_WAIT_SECONDS)
         for etcd in self._etcd.values():
             await etcd.close()
         self._etcd.clear()
@@ -312,8 +323,15 @@ class CacheClusterHandlers:
         kopf never cancels a timer: one still running when the operator stops (a pass waiting
         on an unreachable etcd or node) is left orphaned, outlives ``shutdown`` and may write
         status afterwards over a client kopf has already closed.  So the pass runs beside the
-        stop flag; a stop cancels it and clears ``patch``, and nothing of it is written."""
+        stop flag; a stop cancels it and clears ``patch``, and nothing of it is written.  So does
+        ``shutdown``, which kopf may run before it sets the flag; a pass that would start after
+        ``shutdown`` began does not start."""
+        if self._stopping:
+            patch.clear()
+            return
         work = asyncio.ensure_future(self._observe(name, namespace, spec, meta, status, body, patch, logger))
+        self._passes.add(work)
+        work.add_done_callback(self._passes.discard)
         stop = asyncio.ensure_future(stopped.wait())
         try:
             await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
