@@ -14,8 +14,9 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
   longer wants (NetworkPolicies turned off, the event stream turned off).
 - ``observe`` (timer): once ``reconcile`` is done with the current spec, create again any child
   deleted outside the operator, patch back the rendered fields of one edited outside it, and
-  delete an optional one the spec does not want (a warning event says which); read the StatefulSet, the members and the event stream's record in etcd
-  (one read) and the nodes' ``/stats``;
+  delete an optional one the spec does not want (a warning event says which); read the
+  StatefulSet, the members and the event stream's record in etcd (one read) and the nodes'
+  ``/stats``;
   finish a scale-in once its nodes are drained or its timeout passed; with a disk tier, step
   the rolling update on (``rollout``: restart markers in etcd, the StatefulSet's partition);
   write ``status``.
@@ -408,9 +409,10 @@ class CacheClusterHandlers:
         ``NameTaken``).  The node StatefulSet is put back as ``reconcile`` applies it: with its
         rolling partition held (``held``) and, while a scale-in is in progress (``scaling_in``), its
         replicas as they are (the scale-in shrinks it once its nodes have drained); not while
-        ``spec.disk`` asks for claims it cannot take (``rollout.disk_change``).  A recreated ``<name>-tls`` or ``<name>-node-token`` holds new
-        content (pods started before keep what they read then until they restart); an edited
-        one is left as it is (``_ensure_secret``).  One GET per child and pass."""
+        ``spec.disk`` asks for claims it cannot take (``rollout.disk_change``).  A recreated
+        ``<name>-tls`` or ``<name>-node-token`` holds new content (pods started before keep what
+        they read then until they restart); an edited one is left as it is (``_ensure_secret``).
+        One GET per child and pass."""
         assert self.kube is not None
         wanted = render.render_children(name, namespace, cs, operator_namespace=self.config.own_namespace)
         made_once = once_secrets(name, namespace, cs)
