@@ -19,11 +19,13 @@ through both.  Memory is the hot tier over the disk:
 
 KV events (``events.py``) follow what the node holds, not which tier: a chunk moving between
 memory and disk is not announced; one that leaves both is (also one memory let go while its disk
-write was queued, if the write then fails or the chunk is deleted first).  A node that restarts with chunks on
-disk announces them again after its ``AllBlocksCleared`` (from a thread, at the publisher's pace).
+write was queued, if the write then fails or the chunk is deleted first).  A node that restarts
+with chunks on disk announces them again after its ``AllBlocksCleared``, at the publisher's pace:
+a thread reads the journals, the loop announces what the disk still holds.
 
-Threading contract: everything here runs on the data loop, except ``announce_disk`` (its own
-thread) and the tier's callbacks, which ``Server.post`` back to the loop.
+Threading contract: everything here runs on the data loop, except ``_announce`` (the journal
+reader's thread, which posts its pieces to the loop) and the tier's callbacks, which
+``Server.post`` back to the loop.
 """
 
 from __future__ import annotations
