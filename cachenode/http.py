@@ -37,6 +37,13 @@ Without one configured the guarded endpoints answer 403 saying how to configure 
 by default); a request without the token or with another one gets 401 and changes nothing.
 Tokens are compared in constant time.  Every refusal is one line of JSON ``{"error": ...}``.
 
+TLS: a node with the cluster's credentials (``--tls-dir``) serves this port over HTTPS with its
+certificate and registers an ``https://`` admin address.  A client certificate is optional for
+the open endpoints (kubelet probes and Prometheus come without one) and required, signed by the
+cluster CA, for the guarded ones: the node token alone, leaked, does not flush a node.  Each
+connection shakes hands on its own thread; every connection's silence is bounded by
+``REQUEST_TIMEOUT``.
+
 Threading contract: ``ThreadingHTTPServer`` answers on threads of its own; everything that
 touches the store runs on the node's I/O thread through ``Server.call``.
 """
@@ -48,6 +55,7 @@ import ipaddress
 import json
 import logging
 import signal
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -69,10 +77,38 @@ MAX_BODY = 4 << 20
 GUARDED = frozenset({"/v1/present", "/v1/flush", "/drain"})
 
 
-def make_http_server(node: CacheNode, host: str, port: int) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer((host, port), _handler_class(node))
+REQUEST_TIMEOUT = 10.0  # seconds a connection may stay silent, its TLS handshake included
+
+
+def make_http_server(node: CacheNode, host: str, port: int, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+    """The admin port on ``host:port``: HTTPS with ``tls`` (``ClusterCredentials.admin_server_context``)."""
+    server = _AdminServer((host, port), _handler_class(node))
+    server.tls = tls
     server.daemon_threads = True
     return server
+
+
+class _AdminServer(ThreadingHTTPServer):
+    """A ``ThreadingHTTPServer`` whose connections, with ``tls``, shake hands on the request's own
+    thread (under ``REQUEST_TIMEOUT``), never on the accepting one: a client that stops half-way
+    through its handshake holds up only itself, not the probes behind it."""
+
+    tls: ssl.SSLContext | None = None
+
+    def finish_request(self, request, client_address) -> None:
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        request.settimeout(REQUEST_TIMEOUT)
+        try:
+            conn = self.tls.wrap_socket(request, server_side=True)  # takes over the descriptor
+        except (ssl.SSLError, OSError) as exc:
+            logger.debug("admin port: no TLS handshake with %s: %s", client_address[0], exc)
+            return
+        try:
+            self.RequestHandlerClass(conn, client_address, self)
+        finally:
+            self.shutdown_request(conn)
 
 
 class _BadRequest(Exception):
@@ -88,6 +124,8 @@ def _guarded(path: str) -> bool:
 
 def _handler_class(node: CacheNode):
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT  # a silent client's thread ends, rather than waiting for ever
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
@@ -148,7 +186,12 @@ def _handler_class(node: CacheNode):
         # ---- the node token -------------------------------------------------------------
 
         def _require_token(self, what: str) -> None:
-            """Return if the request carries the node token; else raise 403 (none configured) or 401."""
+            """Return if the request carries the node token (and, over TLS, came with a certificate
+            the cluster CA signed); else raise 403 (none configured) or 401."""
+            if isinstance(self.connection, ssl.SSLSocket) and not self.connection.getpeercert():
+                logger.debug("refused %s from %s: no client certificate", what, self.client_address[0])
+                raise _BadRequest(401, f"{what} over TLS needs the cluster's client certificate beside the node "
+                                       "token (--tls-dir or KVRING_TLS_DIR for kvring commands)")
             expected = node.config.node_token
             if expected is None:
                 raise _BadRequest(403, f"{what} needs the cluster's node token, and this node has none configured: "

@@ -1,5 +1,5 @@
 """One cache node: the chunk store behind the data protocol's TCP port, an admin/metrics HTTP
-port, and registration in etcd.
+port (HTTPS when the node has the cluster's credentials), and registration in etcd.
 
 Threads: the main thread runs the data loop (``server.Server``; all store access happens there,
 other threads go through ``Server.call``); ``http.py``'s server answers on threads of its own;
@@ -159,13 +159,14 @@ class CacheNode:
             self.metrics.watch_disk(self.disk, rewritten=lambda: self.holdings.rewritten)
         self.dispatcher = Dispatcher(config.node_id, self.holdings, self.metrics, self.server,
                                      config.max_chunk_bytes, self.stats)
-        self.http = make_http_server(self, config.host, config.admin_port)
+        self.http = make_http_server(self, config.host, config.admin_port,
+                                     tls=config.tls.admin_server_context() if config.tls is not None else None)
         self.admin_port = self.http.server_address[1]
         adv = config.advertise_host or config.host
         self.record = NodeRecord(
             node_id=config.node_id,
             data_addr=f"tcp://{adv}:{self.data_port}",
-            admin_addr=f"http://{adv}:{self.admin_port}",
+            admin_addr=f"{'https' if config.tls is not None else 'http'}://{adv}:{self.admin_port}",
             capacity=config.memory,
             pid=os.getpid(),
             incarnation=secrets.token_hex(8),

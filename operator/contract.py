@@ -26,7 +26,11 @@ ADMIN_SECRET_KEY = "admin-token-secret"
 # deployment to read.  Left out of the config hash too: the nodes take the token from that Secret
 # through their environment at start, and the pod template names the Secret already.
 NODE_TOKEN_SECRET_KEY = "node-token-secret"
-NOT_HASHED = frozenset({ADMIN_SECRET_KEY, NODE_TOKEN_SECRET_KEY})
+# Where a pod of this cluster's clients finds the mounted <name>-tls Secret ("" with tls off): the
+# admin API's --tls-dir, with which it asks the nodes' admin ports over TLS.  Not hashed: the
+# connector settings, which are, change with spec.tls already.
+TLS_DIR_KEY = "tls-dir"
+NOT_HASHED = frozenset({ADMIN_SECRET_KEY, NODE_TOKEN_SECRET_KEY, TLS_DIR_KEY})
 
 
 def connector_config(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
@@ -42,9 +46,9 @@ def connector_json(name: str, namespace: str, spec: ClusterSpec) -> str:
 
 
 def config_data(name: str, namespace: str, spec: ClusterSpec) -> dict[str, str]:
-    """The ConfigMap's data: connector settings, etcd, cluster name, hashing contract, and the
-    Secrets with the admin API token and the node token (for an admin API deployment of this
-    cluster to read)."""
+    """The ConfigMap's data: connector settings, etcd, cluster name, hashing contract, the
+    Secrets with the admin API token and the node token, and where the credentials are mounted
+    (for an admin API deployment of this cluster to read)."""
     contract = {"chunk_size": spec.chunk_size, "vnodes": spec.vnodes, "replication": spec.replication}
     data = {
         TRANSFER_CONFIG_KEY: connector_json(name, namespace, spec),
@@ -52,6 +56,7 @@ def config_data(name: str, namespace: str, spec: ClusterSpec) -> dict[str, str]:
         "cluster": cluster_key(name, namespace),
         "contract.json": json.dumps(contract, sort_keys=True),
         NODE_TOKEN_SECRET_KEY: node_token_secret(name),
+        TLS_DIR_KEY: TLS_MOUNT if spec.tls else "",
     }
     if spec.auth_secret:
         data[ADMIN_SECRET_KEY] = spec.auth_secret

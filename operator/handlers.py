@@ -30,9 +30,12 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import secrets
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,7 +45,7 @@ import kopf
 
 from kvring.common.errors import MembershipError
 from kvring.common.records import PoolEventsRecord
-from kvring.common.tls import credentials_pem
+from kvring.common.tls import CA_FILE, admin_context, credentials_pem, verifying_context
 from kvring.membership.etcd import Etcd
 from kvring.membership.settings import EtcdSettings
 
@@ -126,6 +129,10 @@ class CacheClusterHandlers:
         # waits for them before it closes the clients they use.
         self._passes: set[asyncio.Future] = set()
         self._stopping = False
+        # (namespace, name) -> (the CA of its ``<name>-tls`` Secret, a context verifying it): what
+        # reads the nodes' ``/stats`` over TLS (the Secret is never rewritten, but a cluster made
+        # again under its name has a new one).
+        self._node_ca: dict[tuple[str, str], tuple[bytes, ssl.SSLContext]] = {}
 
     # ---- operator lifecycle ------------------------------------------------------------------
 
@@ -379,7 +386,8 @@ class CacheClusterHandlers:
 
         obs = st.Observation(
             name=name, generation=generation, desired=cs.replicas, statefulset=sts, members=members,
-            revision=revision, etcd_error=etcd_error, pool_events=pool_events, stats=await self._stats(members),
+            revision=revision, etcd_error=etcd_error, pool_events=pool_events,
+            stats=await self._stats(name, namespace, cs, members),
             scale_in=pending.view if pending is not None else None, spec_problem=problem,
             rollout=roll.status if roll is not None else None, progressing=roll.condition if roll is not None else None)
         new = st.build_status(obs, status, selector=render.selector(name),
@@ -590,29 +598,55 @@ class CacheClusterHandlers:
         patch.metadata.annotations.update(rollout.annotation_patch(plan, annotations))
         return plan
 
-    async def _stats(self, members: Mapping[str, st.Member] | None) -> dict[str, dict[str, Any]]:
-        """Each registered node's ``/stats`` from its admin address; unreachable ones are left out."""
+    async def _stats(self, name: str, namespace: str, cs: ClusterSpec,
+                     members: Mapping[str, st.Member] | None) -> dict[str, dict[str, Any]]:
+        """Each registered node's ``/stats`` from its admin address (over TLS, checked against the
+        cluster's CA, for a TLS cluster's nodes); unreachable ones are left out."""
         if not members or self.http is None:
             return {}
         http = self.http
+        tls = await self._cluster_ca(name, namespace) if cs.tls else None
 
         async def fetch(member: st.Member) -> tuple[str, Any]:
             url = member.admin_addr if "://" in member.admin_addr else f"http://{member.admin_addr}"
             try:
-                async with http.get(f"{url.rstrip('/')}/stats") as resp:
+                context = admin_context(url, tls)
+                async with http.get(f"{url.rstrip('/')}/stats", ssl=context if context is not None else True) as resp:
                     return member.node_id, (await resp.json() if resp.status == 200 else None)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # CredentialsError included
                 logger.debug("no /stats from %s at %s: %s", member.node_id, url, exc)
                 return member.node_id, None
 
         got = await asyncio.gather(*(fetch(m) for m in members.values() if m.admin_addr))
         return {node_id: stats for node_id, stats in got if isinstance(stats, dict)}
 
+    async def _cluster_ca(self, name: str, namespace: str) -> ssl.SSLContext | None:
+        """A context that verifies the cluster's nodes, from its ``<name>-tls`` Secret's CA; None
+        (its nodes' stats are left out) while the Secret cannot be read."""
+        assert self.kube is not None
+        try:
+            secret = await self.kube.get("v1", "Secret", namespace, render.tls_secret(name))
+            ca = base64.b64decode((secret or {}).get("data", {}).get(CA_FILE, ""), validate=True)
+        except (KubeError, binascii.Error) as exc:
+            logger.warning("cannot read the CA of %s/%s for its nodes' /stats: %s", namespace, name, exc)
+            return None
+        known = self._node_ca.get((namespace, name))
+        if known is not None and known[0] == ca:
+            return known[1]
+        try:
+            context = verifying_context(ca)
+        except (ssl.SSLError, ValueError) as exc:  # no Secret yet (empty), or not a certificate
+            logger.warning("no usable CA in %s/%s for its nodes' /stats: %s", namespace, render.tls_secret(name), exc)
+            return None
+        self._node_ca[(namespace, name)] = (ca, context)
+        return context
+
     # ---- deletion ------------------------------------------------------------------------------
 
     async def cleanup(self, name: str, namespace: str, spec: Mapping[str, Any], status: Mapping[str, Any],
                       body: kopf.Body, retry: int, logger: logging.Logger, **_: Any) -> None:
         self.metrics.forget(namespace, name)
+        self._node_ca.pop((namespace, name), None)
         try:
             cs: ClusterSpec | None = parse(name, spec)
         except SpecError:

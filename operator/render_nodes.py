@@ -121,12 +121,14 @@ def container_security_context() -> dict[str, Any]:
 
 
 def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
+    # With TLS the admin port serves HTTPS: the kubelet's probes do not check its certificate,
+    # the preStop drain does (and shows the client certificate its guarded POST needs).
     def probe(path: str, period: int, failures: int) -> dict[str, Any]:
-        return {"httpGet": {"path": path, "port": "admin"}, "periodSeconds": period,
-                "timeoutSeconds": 3, "failureThreshold": failures}
+        return {"httpGet": {"path": path, "port": "admin", "scheme": admin_scheme(spec).upper()},
+                "periodSeconds": period, "timeoutSeconds": 3, "failureThreshold": failures}
 
-    drain = [*ENTRY, "drain", "--admin", f"http://127.0.0.1:{spec.admin_port}",
-             "--wait", str(spec.drain_timeout_seconds)]
+    drain = [*ENTRY, "drain", "--admin", f"{admin_scheme(spec)}://127.0.0.1:{spec.admin_port}",
+             *(("--tls-dir", TLS_MOUNT) if spec.tls else ()), "--wait", str(spec.drain_timeout_seconds)]
     return {
         "name": "cachenode",
         "image": spec.image,
@@ -222,7 +224,7 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
                 "metadata": {
                     "labels": pod_labels,
                     "annotations": {CONFIG_HASH_ANNOTATION: config_hash(config_data(name, namespace, spec)),
-                                    **scrape_annotations(spec.admin_port)},
+                                    **scrape_annotations(spec.admin_port, admin_scheme(spec))},
                 },
                 "spec": {
                     "terminationGracePeriodSeconds": spec.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
@@ -241,11 +243,18 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
     }
 
 
-def scrape_annotations(port: int) -> dict[str, str]:
+def admin_scheme(spec: ClusterSpec) -> str:
+    """How the nodes serve their admin port: ``https`` with the cluster's credentials."""
+    return "https" if spec.tls else "http"
+
+
+def scrape_annotations(port: int, scheme: str = "http") -> dict[str, str]:
     """The ``prometheus.io/*`` annotations a Prometheus that discovers pods by annotation reads (the
-    nodes' ``/metrics`` is on their admin port, open without a token); the chart's PodMonitor,
-    where the Prometheus operator runs, selects the pods by their labels instead."""
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+    nodes' ``/metrics`` is on their admin port, open without a token or client certificate); the
+    chart's PodMonitor, where the Prometheus operator runs, selects the pods by their labels and
+    takes the scheme from ``prometheus.io/scheme``."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics",
+            "prometheus.io/scheme": scheme}
 
 
 def _ports(spec: ClusterSpec) -> list[dict[str, Any]]:

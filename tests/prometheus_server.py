@@ -21,6 +21,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from kvring.common.tls import CERT_NAME
 from kvring.local.cluster import free_port, stop_process_group
 
 
@@ -39,10 +40,13 @@ def rate_interval(step_s: float, scrape_s: float) -> str:
 
 
 class LocalPrometheus:
-    """``prometheus`` scraping ``/metrics`` of the targets in ``targets`` every ``scrape_s`` seconds."""
+    """``prometheus`` scraping ``/metrics`` of the targets in ``targets`` every ``scrape_s`` seconds;
+    ``https://`` targets over TLS, checking their certificates against ``ca_file`` (and the name
+    every kvring certificate carries, ``CERT_NAME``)."""
 
-    def __init__(self, scrape_s: float = 1.0) -> None:
+    def __init__(self, scrape_s: float = 1.0, ca_file: str | None = None) -> None:
         self.scrape_s = scrape_s
+        self.ca_file = ca_file
         self.port = 0
         self.dir = Path(tempfile.mkdtemp(prefix="kvring-prometheus-"))
         self.targets: dict[str, dict[str, str]] = {}  # host:port -> labels
@@ -54,9 +58,11 @@ class LocalPrometheus:
         return f"http://127.0.0.1:{self.port}"
 
     def add_target(self, address: str, **labels: str) -> None:
-        """Scrape ``address`` (host:port, or an http:// URL) from now on, with ``labels``."""
-        address = address.removeprefix("http://").rstrip("/")
-        self.targets[address] = labels
+        """Scrape ``address`` (host:port, or an http:// or https:// URL) from now on, with ``labels``
+        (the scheme as the ``__scheme__`` label, as the chart's PodMonitor relabels it)."""
+        scheme = "https" if address.startswith("https://") else "http"
+        address = address.removeprefix(f"{scheme}://").rstrip("/")
+        self.targets[address] = {**labels, "__scheme__": scheme}
         groups = [{"targets": [addr], "labels": lab} for addr, lab in self.targets.items()]
         tmp = self.dir / "targets.json.tmp"
         tmp.write_text(json.dumps(groups))
@@ -71,6 +77,7 @@ class LocalPrometheus:
             "scrape_configs": [{
                 "job_name": "kvring-test",  # each target's own "job" label takes precedence
                 "file_sd_configs": [{"files": [str(self.dir / "targets.json")], "refresh_interval": interval}],
+                **({"tls_config": {"ca_file": self.ca_file, "server_name": CERT_NAME}} if self.ca_file else {}),
             }],
         }
         (self.dir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -19,6 +20,7 @@ from polling import read_until
 
 import kvring
 from kvring.cli.main import app
+from kvring.common.tls import verifying_context
 
 KVRING = [sys.executable, "-P", "-m", "kvring.cli"]  # -P: see scripts/setup.sh
 
@@ -73,11 +75,13 @@ def test_up_serves_ring_and_stops_cleanly_on_sigterm():
     try:
         text = read_until(proc.stdout, "Press Ctrl-C")
         etcd = re.search(r"etcd (127\.0\.0\.1:\d+)", text).group(1)
-        admins = re.findall(r"admin (http://127\.0\.0\.1:\d+)", text)
+        admins = re.findall(r"admin (https://127\.0\.0\.1:\d+)", text)  # TLS, the default
         assert len(admins) == 3 and f'"etcd": "{etcd}"' in text and '"kv_connector": "KVRingConnector"' in text
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 4  # etcd and three nodes
-        with urllib.request.urlopen(admins[0] + "/healthz", timeout=5) as r:
+        ca = re.search(r"curl --cacert (\S+)\)", text).group(1)
+        probe = verifying_context(Path(ca).read_bytes())  # as a kubelet probe or Prometheus: the CA, no certificate
+        with urllib.request.urlopen(admins[0] + "/healthz", timeout=5, context=probe) as r:
             assert r.status == 200
         ring = subprocess.run([*KVRING, "ring", "--etcd", etcd, "--key", "00ff"], capture_output=True,
                               text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
@@ -96,12 +100,12 @@ def test_up_serves_ring_and_stops_cleanly_on_sigterm():
 
 
 def _request(url: str, method: str = "GET", body: dict | None = None,
-             headers: dict | None = None) -> tuple[int, dict]:
+             headers: dict | None = None, context: ssl.SSLContext | None = None) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else (b"" if method != "GET" else None)
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -125,7 +129,7 @@ def test_up_wires_the_node_token_into_its_nodes_its_admin_api_and_kvring_drain(t
             lines.append(line)
         text = "".join(lines)
         etcd = re.search(r"etcd (127\.0\.0\.1:\d+)", text).group(1)
-        nodes = re.findall(r"admin (http://127\.0\.0\.1:\d+)/metrics", text)
+        nodes = re.findall(r"admin (https://127\.0\.0\.1:\d+)/metrics", text)
         token_file = re.search(r"--node-token-file (\S+)", text).group(1)
         admin_api = re.search(r"Admin API: (http://127\.0\.0\.1:\d+)", text).group(1)
         admin_auth = {"Authorization": "Bearer " + re.search(r"'Authorization: Bearer (\S+)'", text).group(1)}
@@ -141,15 +145,19 @@ def test_up_wires_the_node_token_into_its_nodes_its_admin_api_and_kvring_drain(t
             data = bytes(64)
             assert client.put_many([ChunkItem.of(k, data, [2, 32], "uint8", 8, "kvring/v1/cli") for k in keys]) \
                 == [1] * 20
-            # A node refuses a flush without the token, or with another: nothing is deleted.
+            # A node refuses a flush without the token, or with another: nothing is deleted (over
+            # TLS, with the cluster's client certificate, which its guarded endpoints also require).
+            member = ClusterCredentials.at(credentials).client_context()
             for headers in ({}, {"Authorization": "Bearer " + "0" * 64}):
                 for node in nodes:
-                    status, answer = _request(f"{node}/v1/flush", "POST", {"namespace": "kvring/v1/cli"}, headers)
+                    status, answer = _request(f"{node}/v1/flush", "POST", {"namespace": "kvring/v1/cli"}, headers,
+                                              context=member)
                     assert status == 401 and "node token" in answer["error"]
             assert client.lookup(keys) == [True] * 20
 
-            # kvring drain: refused without the token; drains with the file; withdrawn with the variable.
-            bare = {k: v for k, v in os.environ.items() if k != "KVRING_NODE_TOKEN"}
+            # kvring drain: refused without the token; drains with the file; withdrawn with the
+            # variable (the credentials as KVRING_TLS_DIR, as `kvring up` prints them).
+            bare = {**{k: v for k, v in os.environ.items() if k != "KVRING_NODE_TOKEN"}, "KVRING_TLS_DIR": credentials}
             refused = subprocess.run([*KVRING, "drain", "--admin", nodes[0]], capture_output=True, text=True,
                                      timeout=60, env=bare)
             assert refused.returncode == 1 and "HTTP 401" in refused.stderr and "node token" in refused.stderr

@@ -10,15 +10,20 @@ the GIL with the serving loop, that CPU delayed every request the admin served.
 ``request_json`` raises ``NodeHTTPError`` for anything but a JSON answer with status 200 —
 no connection, a timeout, another status (in ``status``), an answer over ``MAX_ANSWER_BYTES``,
 or not JSON.  With ``token`` the request carries ``Authorization: Bearer <token>`` (the node
-token that ``/v1/present`` and ``/v1/flush`` require).
+token that ``/v1/present`` and ``/v1/flush`` require).  An ``https://`` node is asked over TLS
+with ``tls`` (the cluster's client context, whose certificate the guarded endpoints also
+require); ``tls.admin_context`` refuses the mismatches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from typing import Any
 from urllib.parse import urlsplit
+
+from kvring.common.tls import CredentialsError, admin_context
 
 MAX_ANSWER_BYTES = 64 << 20
 
@@ -33,27 +38,31 @@ class NodeHTTPError(Exception):
 
 
 async def request_json(base_url: str, method: str, path: str, body: Any = None, *, timeout: float,
-                       token: str | None = None) -> Any:
-    """``method path`` on ``base_url`` (``http://host:port``) with ``body`` as JSON; the decoded answer."""
+                       token: str | None = None, tls: ssl.SSLContext | None = None) -> Any:
+    """``method path`` on ``base_url`` (``http(s)://host:port``) with ``body`` as JSON; the decoded answer."""
     url = urlsplit(base_url)
-    if url.scheme != "http" or not url.hostname or not url.port:
-        raise NodeHTTPError(f"{base_url!r} is not an http://host:port address")
+    if not url.hostname or not url.port:
+        raise NodeHTTPError(f"{base_url!r} is not an http(s)://host:port address")
+    try:
+        context = admin_context(base_url, tls)
+    except CredentialsError as exc:
+        raise NodeHTTPError(str(exc)) from None
     payload = b"" if body is None else json.dumps(body).encode()
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
     head = (f"{method} {path} HTTP/1.0\r\nHost: {url.netloc}\r\nAccept: application/json\r\n{auth}"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
     try:
         async with asyncio.timeout(timeout):
-            raw = await _exchange(url.hostname, url.port, head.encode() + payload)
+            raw = await _exchange(url.hostname, url.port, head.encode() + payload, context)
     except TimeoutError:
         raise NodeHTTPError(f"no answer within {timeout:g}s") from None
-    except OSError as exc:
+    except OSError as exc:  # ssl.SSLError included: a node whose certificate the cluster CA did not sign
         raise NodeHTTPError(f"{type(exc).__name__}: {exc}") from None
     return _parse(raw)
 
 
-async def _exchange(host: str, port: int, request: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection(host, port)
+async def _exchange(host: str, port: int, request: bytes, tls: ssl.SSLContext | None) -> bytes:
+    reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None)
     try:
         writer.write(request)
         chunks, size = [], 0

@@ -174,7 +174,7 @@ class NodeQueries:
     async def _post(self, rec: NodeRecord, path: str, body: dict) -> dict:
         try:
             answer = await request_json(rec.admin_addr, "POST", path, body, timeout=self.settings.node_timeout,
-                                        token=self.settings.node_token)
+                                        token=self.settings.node_token, tls=self.settings.node_tls)
         except NodeHTTPError as exc:
             if exc.status in (401, 403) and rec.node_id not in self._refused_by:
                 self._refused_by.add(rec.node_id)

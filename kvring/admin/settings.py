@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from kvring.common.tls import ClusterCredentials
 from kvring.common.units import format_size
 from kvring.membership.settings import EtcdSettings
 
@@ -21,11 +24,15 @@ class AdminSettings:
     ``node_token`` is the cluster's node token, a different credential: the admin sends it on its
     presence queries and flushes to the nodes' admin ports, which refuse them without it.  With
     ``None`` the endpoints that need those (lookup, key owners, flush) answer 503 saying so.
+
+    ``tls``: the cluster's credentials, for nodes that serve their admin port over TLS (every
+    node started with them); the admin then asks them over TLS and never in plain text.
     """
 
     etcd: EtcdSettings
     token: str | None = field(default=None, repr=False)
     node_token: str | None = field(default=None, repr=False)
+    tls: ClusterCredentials | None = None
     # Seconds to wait for one node's admin port (its /stats, key queries, flushes); a node that
     # does not answer /stats in time is listed as unreachable.
     node_timeout: float = 2.0
@@ -81,3 +88,8 @@ class AdminSettings:
     def body_limit_text(self) -> str:
         """The body limit for people: ``1 MiB (1048576 bytes)``."""
         return f"{format_size(self.max_body_bytes)} ({self.max_body_bytes} bytes)"
+
+    @cached_property
+    def node_tls(self) -> ssl.SSLContext | None:
+        """The client context for the nodes' admin ports (built once), or None without ``tls``."""
+        return self.tls.client_context() if self.tls is not None else None

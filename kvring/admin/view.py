@@ -202,7 +202,8 @@ class ViewRefresher:
 
     async def _read_node(self, rec: NodeRecord) -> NodeView:
         try:
-            stats = await request_json(rec.admin_addr, "GET", "/stats", timeout=self.settings.node_timeout)
+            stats = await request_json(rec.admin_addr, "GET", "/stats", timeout=self.settings.node_timeout,
+                                       tls=self.settings.node_tls)
             if not isinstance(stats, dict):
                 raise ValueError(f"/stats answered a JSON {type(stats).__name__}, not an object")
             return _node_view(rec, stats)

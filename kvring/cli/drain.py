@@ -5,7 +5,9 @@ Two ways in, same outcome (see ``cachenode/node.py``):
 - ``--admin URL``: ``POST /drain`` on the node's own admin port, with the cluster's node token
   (``--node-token-file`` or ``KVRING_NODE_TOKEN``, which the operator sets in node pods).  The
   node accepts it from loopback only, which is what a StatefulSet preStop hook is
-  (``kvring drain --admin http://127.0.0.1:8080 --wait 120``).
+  (``kvring drain --admin https://127.0.0.1:8080 --tls-dir DIR --wait 120``).  A node with the
+  cluster's credentials serves that port over TLS (``https://``) and wants their client
+  certificate too (``--tls-dir``, which the operator mounts in node pods).
 - ``--etcd ... --cluster ... --node ID``: writes the node's drain key in etcd, which the node
   polls; works from anywhere that reaches etcd (an operator, a person).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +34,7 @@ from collections.abc import Callable
 
 from kvring.common.errors import KVRingError, MembershipError
 from kvring.common.records import NodeRecord
+from kvring.common.tls import CredentialsError, admin_context
 from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd
 from kvring.membership.settings import EtcdSettings
@@ -44,11 +48,16 @@ class DrainFailed(KVRingError):
     """The drain could not be requested, or did not finish in time (the message says why)."""
 
 
-def _http(method: str, url: str, timeout: float = 5.0, token: str | None = None) -> tuple[int, dict]:
+def _http(method: str, url: str, timeout: float = 5.0, token: str | None = None,
+          tls: ssl.SSLContext | None = None) -> tuple[int, dict]:
+    try:
+        context = admin_context(url, tls)
+    except CredentialsError as exc:
+        raise DrainFailed(str(exc)) from None
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     req = urllib.request.Request(url, method=method, data=b"" if method != "GET" else None, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as exc:
         try:
@@ -95,12 +104,13 @@ def _follow(name: str, poll: Callable[[], dict], wait: float, echo: Callable[[st
 
 
 def drain_via_admin(url: str, wait: float, cancel: bool, echo: Callable[[str], None],
-                    token: str | None = None) -> dict:
-    """``POST`` (or with ``cancel``, ``DELETE``) ``/drain`` at ``url`` with the node ``token``."""
+                    token: str | None = None, tls: ssl.SSLContext | None = None) -> dict:
+    """``POST`` (or with ``cancel``, ``DELETE``) ``/drain`` at ``url`` with the node ``token``
+    (over TLS with ``tls``, the cluster's client context, for an ``https://`` node)."""
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise DrainFailed(f"--admin must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}")
-    code, body = _http("DELETE" if cancel else "POST", f"{base}/drain", token=token)
+    code, body = _http("DELETE" if cancel else "POST", f"{base}/drain", token=token, tls=tls)
     if code not in (200, 202):
         raise DrainFailed(f"the node at {base} refused: HTTP {code}: {body.get('error', body)}")
     if cancel:
@@ -114,7 +124,7 @@ def drain_via_admin(url: str, wait: float, cancel: bool, echo: Callable[[str], N
         return body
 
     def poll() -> dict:
-        code, status = _http("GET", f"{base}/drain")
+        code, status = _http("GET", f"{base}/drain", tls=tls)
         if code != 200:
             raise DrainFailed(f"GET {base}/drain answered HTTP {code}")
         return status
@@ -122,7 +132,7 @@ def drain_via_admin(url: str, wait: float, cancel: bool, echo: Callable[[str], N
 
 
 def drain_via_etcd(settings: EtcdSettings, node_id: str, wait: float, cancel: bool,
-                   echo: Callable[[str], None]) -> dict:
+                   echo: Callable[[str], None], tls: ssl.SSLContext | None = None) -> dict:
     async def members() -> dict[str, NodeRecord]:
         etcd = Etcd(settings)
         try:
@@ -161,7 +171,7 @@ def drain_via_etcd(settings: EtcdSettings, node_id: str, wait: float, cancel: bo
         if record is None:
             raise DrainFailed(f"{node_id} left the cluster (its record is gone) before it reported drained")
         try:  # the node's own view has the progress; its record alone has the state
-            code, status = _http("GET", f"{record.admin_addr}/drain", timeout=2.0)
+            code, status = _http("GET", f"{record.admin_addr}/drain", timeout=2.0, tls=tls)
             if code == 200:
                 return {**status, "state": record.state}
         except DrainFailed:

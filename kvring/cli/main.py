@@ -344,8 +344,9 @@ def _print_cluster(cluster_: LocalCluster, token: str, stream: PoolEvents) -> No
         f" KVRING_TLS_DIR={cluster_.tls.directory}" if cluster_.tls is not None else "")
     typer.echo(f"  (or {env} with an empty kv_connector_extra_config)")
     if cluster_.tls is not None:
-        typer.echo(f"The data ports require the cluster's credentials in {cluster_.tls.directory} "
-                   "(--no-tls: plain TCP)")
+        typer.echo(f"The data ports require the cluster's credentials in {cluster_.tls.directory} (--tls-dir); the "
+                   f"admin ports serve HTTPS under its CA (curl --cacert {cluster_.tls.ca}) and want its client "
+                   "certificate for flush, drain and key queries (--no-tls: plain TCP and HTTP)")
     typer.echo(f"The nodes' admin ports need the node token for flush, drain and key queries: "
                f"--node-token-file {cluster_.node_token_file} (or KVRING_NODE_TOKEN=$(cat "
                f"{cluster_.node_token_file}))")
@@ -782,7 +783,8 @@ def trace(
 @app.command()
 def drain(
     admin_url: Annotated[str | None, typer.Option(
-        "--admin", help="The node's admin URL, e.g. http://127.0.0.1:8080 (a pod's preStop hook).")] = None,
+        "--admin", help="The node's admin URL, e.g. https://127.0.0.1:8080 (a pod's preStop hook; http:// "
+                        "for a node without TLS).")] = None,
     etcd: Annotated[str | None, typer.Option("--etcd", help="etcd endpoints, to drain --node through etcd.")] = None,
     cluster: ClusterOpt = "default",
     node_id: Annotated[str | None, typer.Option("--node", help="Node id to drain (with --etcd).")] = None,
@@ -790,18 +792,21 @@ def drain(
                                         min=0)] = 0,
     cancel: Annotated[bool, typer.Option("--cancel", help="Withdraw the drain request instead.")] = False,
     node_token_file: NodeTokenFileOpt = None,
+    tls_dir: TlsDirOpt = None,
 ) -> None:
     """Drain a node: it leaves the ring and hands every chunk to its new owners, then reports drained."""
     from kvring.cli.drain import drain_via_admin, drain_via_etcd
 
     if (admin_url is None) == (etcd is None):
         raise typer.BadParameter("give either --admin URL (drain the node behind it) or --etcd with --node")
+    creds = _credentials(tls_dir)
+    tls = creds.client_context() if creds is not None else None
     if admin_url is not None:
-        drain_via_admin(admin_url, wait, cancel, typer.echo, token=_node_token(node_token_file))
+        drain_via_admin(admin_url, wait, cancel, typer.echo, token=_node_token(node_token_file), tls=tls)
     else:
         if not node_id:
             raise typer.BadParameter("--etcd needs --node NODE_ID", param_hint="--node")
-        drain_via_etcd(_reachable_etcd(etcd, cluster), node_id, wait, cancel, typer.echo)
+        drain_via_etcd(_reachable_etcd(etcd, cluster), node_id, wait, cancel, typer.echo, tls=tls)
 
 
 @app.command()
@@ -852,6 +857,7 @@ def admin(
         help="Bearer token for drain and flush (prefer the KVRING_ADMIN_TOKEN variable: a command line is "
              "visible to other users). Without one those endpoints are off.")] = None,
     node_token_file: NodeTokenFileOpt = None,
+    tls_dir: TlsDirOpt = None,
     node_timeout: Annotated[float, typer.Option(help="Seconds to wait for a node's /stats.", min=0.01)] = 2.0,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -864,7 +870,8 @@ def admin(
     _free_port(host, port, "--port")
     try:
         settings = AdminSettings(etcd=_etcd_settings(etcd, cluster), token=token or None,
-                                 node_token=_node_token(node_token_file), node_timeout=node_timeout)
+                                 node_token=_node_token(node_token_file), tls=_credentials(tls_dir),
+                                 node_timeout=node_timeout)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     typer.echo(f"kvring admin API for cluster {cluster!r} on http://{host}:{port} (docs /docs); drain and flush "

@@ -11,7 +11,7 @@ from .types import NodeState
 class NodeRecord(msgspec.Struct, frozen=True):
     node_id: str
     data_addr: str  # "tcp://host:port" of the data protocol
-    admin_addr: str  # "http://host:port" of /healthz, /readyz, /metrics, /stats, /drain
+    admin_addr: str  # "http(s)://host:port" of /healthz, /readyz, /metrics, /stats, /drain (https: TLS)
     capacity: int  # the node's memory budget in bytes (its weight on the ring)
     state: NodeState = NodeState.ACTIVE
     pid: int = 0

@@ -1,4 +1,5 @@
-"""Cluster credentials for the data plane: mutual TLS under a CA of the cluster's own.
+"""Cluster credentials: mutual TLS under a CA of the cluster's own, on the data plane and the
+nodes' admin ports.
 
 A cluster's credentials are three PEM files in one directory, named as in a Kubernetes TLS
 Secret (the operator mounts one there): ``ca.crt`` (the cluster's CA), ``tls.crt`` and
@@ -7,7 +8,10 @@ a node accepts a connection only from a peer whose certificate the cluster CA si
 client talks only to a node whose certificate it signed -- so a peer without the credentials
 can neither read nor write, and nothing crosses the wire in plain text.  Names are not checked
 (pods come and go under addresses nobody knows in advance): holding a certificate of the
-cluster's CA is what makes a peer a member.
+cluster's CA is what makes a peer a member.  The certificate still names ``CERT_NAME`` and
+loopback, for tools that insist on checking a name.  A node's admin port serves HTTPS with the same
+certificate; there a client certificate is optional for the open endpoints (probes, metrics)
+and required, beside the node token, for the guarded ones.
 
 ``generate`` makes a fresh set (an ECDSA P-256 CA and certificate); ``kvring up`` does so for
 each local cluster and the operator for each CacheCluster.  TLS 1.3 only; no session tickets
@@ -17,12 +21,17 @@ each local cluster and the operator for each CacheCluster.  TLS 1.3 only; no ses
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
+# The name every cluster certificate carries (with loopback's addresses), for clients that check
+# names against the certificate, which kvring's own do not: Prometheus's ``server_name``, curl's
+# ``--resolve kvring-node:PORT:ADDRESS`` (or 127.0.0.1 as is, on the machine of ``kvring up``).
+CERT_NAME = "kvring-node"
 
 
 class CredentialsError(ValueError):
@@ -81,6 +90,44 @@ class ClusterCredentials:
         """A client's side: the node must show a certificate the cluster CA signed."""
         return self._context(ssl.Purpose.SERVER_AUTH)
 
+    def admin_server_context(self) -> ssl.SSLContext:
+        """A node's admin port: a client's certificate is asked for but optional (kubelet probes
+        and Prometheus read the open endpoints without one), and checked against the cluster CA
+        when shown; the guarded endpoints then require one (``cachenode/http.py``)."""
+        ctx = self.server_context()
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+        return ctx
+
+
+def verifying_context(ca_pem: bytes) -> ssl.SSLContext:
+    """A client's side without a certificate of its own: the peer must show one that the CA in
+    ``ca_pem`` signed (the operator reading a node's open ``/stats``)."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca_pem.decode("ascii", errors="replace"))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False  # membership is the CA's signature, not an address
+    return ctx
+
+
+def admin_context(url: str, tls: ssl.SSLContext | None) -> ssl.SSLContext | None:
+    """The TLS context for a request to a node's admin port at ``url`` (None: plain HTTP).
+
+    A node with the cluster's credentials serves its admin port over TLS and registers an
+    ``https://`` address.  A client that holds credentials never sends a request (nor the node
+    token in it) in plain text, and one without them cannot check an ``https://`` node: either
+    mismatch is a one-line ``CredentialsError``, not a silent downgrade."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme == "https":
+        if tls is None:
+            raise CredentialsError(f"the node at {url} serves its admin port over TLS: give the cluster's "
+                                   "credentials (--tls-dir or KVRING_TLS_DIR)")
+        return tls
+    if scheme == "http":
+        if tls is not None:
+            raise CredentialsError(f"the node at {url} serves its admin port in plain HTTP while this cluster's "
+                                   "credentials are given: refusing to send requests unencrypted")
+        return None
+    raise CredentialsError(f"{url!r} is not an http:// or https:// address")
+
 
 def generate(directory: str | os.PathLike, cluster: str, days: int = 3650) -> ClusterCredentials:
     """Write a new CA and a certificate it signed into ``directory`` (the key readable by the
@@ -123,6 +170,10 @@ def credentials_pem(cluster: str, days: int = 3650) -> dict[str, bytes]:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName(CERT_NAME), x509.DNSName("localhost"),
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("::1"))]),
+                critical=False)
             .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM
     return {

@@ -12,6 +12,7 @@ queries and fault injection need it (``cachenode/http.py``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ import select
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -232,13 +234,14 @@ class NodeProcess:
 @dataclass
 class AdminProcess:
     """A ``kvring admin`` child process on loopback; the token travels in its environment, the
-    node token in a file (``--node-token-file``)."""
+    node token in a file (``--node-token-file``), the cluster's credentials in ``tls_dir``."""
 
     etcd: str
     cluster: str = "default"
     port: int = 0
     token: str | None = None
     node_token_file: Path | None = None
+    tls_dir: Path | None = None
     proc: subprocess.Popen | None = None
 
     @property
@@ -251,10 +254,11 @@ class AdminProcess:
         env.pop("KVRING_ADMIN_TOKEN", None)
         if self.token:
             env["KVRING_ADMIN_TOKEN"] = self.token
-        node_token = ["--node-token-file", str(self.node_token_file)] if self.node_token_file else []
+        credentials = [*(("--node-token-file", str(self.node_token_file)) if self.node_token_file else ()),
+                       *(("--tls-dir", str(self.tls_dir)) if self.tls_dir else ())]
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "kvring.cli", "admin", "--etcd", self.etcd, "--cluster", self.cluster,
-             "--host", "127.0.0.1", "--port", str(self.port), *node_token],
+             "--host", "127.0.0.1", "--port", str(self.port), *credentials],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -328,8 +332,8 @@ class LocalCluster:
         self._disk_temporary = bool(disk) and disk_root is None
         self.nodes = [NodeProcess(f"node-{i}", memory, self.etcd, cluster, lease_ttl, self.contract,
                                   list(node_args), **self._disk_of(f"node-{i}")) for i in range(nodes)]
-        self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token,
-                                  self.node_token_file) if admin else None
+        self.admin = AdminProcess(self.etcd, cluster, admin_port, admin_token, self.node_token_file,
+                                  self.tls.directory if self.tls is not None else None) if admin else None
 
     def start(self) -> LocalCluster:
         try:
@@ -351,6 +355,11 @@ class LocalCluster:
         cluster, with its credentials when it runs TLS; ``extra`` adds more (``load_mode``, ...)."""
         tls = {"tls_dir": str(self.tls.directory)} if self.tls is not None else {}
         return {"etcd": self.etcd, "cluster": self.cluster, **tls, **extra}
+
+    @functools.cached_property
+    def admin_tls(self) -> ssl.SSLContext | None:
+        """The client context for the nodes' admin ports (HTTPS, with ``tls``), or None."""
+        return self.tls.client_context() if self.tls is not None else None
 
     @property
     def node_auth(self) -> dict[str, str]:

@@ -5,8 +5,10 @@ nothing; the read-only probes stay open; a node without a token refuses them all
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -23,8 +25,9 @@ MADE_UP = "0123456789abcdef" * 4  # a well-formed token that is not the cluster'
 
 
 def _http(url: str, method: str = "GET", body: dict | None = None, token: str | None = None,
-          header: str | None = None) -> tuple[int, dict | bytes, dict]:
-    """(status, JSON body or raw bytes, headers) of one request; ``header``: a raw Authorization."""
+          header: str | None = None, context: ssl.SSLContext | None = None) -> tuple[int, dict | bytes, dict]:
+    """(status, JSON body or raw bytes, headers) of one request; ``header``: a raw Authorization;
+    ``context``: the TLS client context of an ``https://`` node."""
     headers = {"Content-Type": "application/json"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
@@ -33,7 +36,7 @@ def _http(url: str, method: str = "GET", body: dict | None = None, token: str | 
     data = json.dumps(body).encode() if body is not None else (b"" if method != "GET" else None)
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        with urllib.request.urlopen(req, timeout=5, context=context) as resp:
             status, raw, got = resp.status, resp.read(), dict(resp.headers)
     except urllib.error.HTTPError as exc:
         status, raw, got = exc.code, exc.read(), dict(exc.headers)
@@ -43,8 +46,8 @@ def _http(url: str, method: str = "GET", body: dict | None = None, token: str | 
         return status, raw, got
 
 
-def _chunks(node) -> int:
-    return _http(f"{node.admin_addr}/stats")[1]["chunks"]
+def _chunks(node, context: ssl.SSLContext | None = None) -> int:
+    return _http(f"{node.admin_addr}/stats", context=context)[1]["chunks"]
 
 
 def _guarded_requests(keys: list[bytes]) -> list[tuple[str, str, dict | None]]:
@@ -59,12 +62,13 @@ def _guarded_requests(keys: list[bytes]) -> list[tuple[str, str, dict | None]]:
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "no-tls"])
 def test_guarded_endpoints_refuse_without_the_node_token_and_work_with_it(cluster_factory, tls):
     cluster = cluster_factory(nodes=2, tls=tls, node_args=["--fault-injection"])
+    http = functools.partial(_http, context=cluster.admin_tls)  # over TLS, with the cluster's certificate
     keys = [os.urandom(16) for _ in range(20)]
     data = np.arange(64, dtype=np.uint8)
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
         assert client.wait_for_nodes(2)
         assert client.put_many([ChunkItem.of(k, data, [2, 32], "uint8", 8, "tenant") for k in keys]) == [1] * 20
-        held = {n.node_id: _chunks(n) for n in cluster.nodes}
+        held = {n.node_id: _chunks(n, cluster.admin_tls) for n in cluster.nodes}
         assert sum(held.values()) == 20
 
         # From loopback, without a token, with a made-up one, or not as a bearer token: 401, one
@@ -73,39 +77,39 @@ def test_guarded_endpoints_refuse_without_the_node_token_and_work_with_it(cluste
             for method, path, body in _guarded_requests(keys):
                 for auth in ({}, {"token": MADE_UP}, {"token": ""}, {"header": f"Basic {cluster.node_token}"},
                              {"header": cluster.node_token}):
-                    status, answer, headers = _http(node.admin_addr + path, method, body, **auth)
+                    status, answer, headers = http(node.admin_addr + path, method, body, **auth)
                     assert status == 401, (node.node_id, method, path, auth, answer)
                     assert list(answer) == ["error"] and "node token" in answer["error"], answer
                     assert "\n" not in answer["error"] and headers.get("WWW-Authenticate") == "Bearer"
-            assert _chunks(node) == held[node.node_id]
-            assert _http(f"{node.admin_addr}/drain")[1]["state"] == "active"
+            assert _chunks(node, cluster.admin_tls) == held[node.node_id]
+            assert http(f"{node.admin_addr}/drain")[1]["state"] == "active"
         assert client.lookup(keys) == [True] * 20
 
         # The read-only probes stay open.
         for node in cluster.nodes:
             for path in ("/healthz", "/readyz", "/metrics", "/stats", "/drain"):
-                assert _http(node.admin_addr + path)[0] == 200, path
+                assert http(node.admin_addr + path)[0] == 200, path
 
         # The cluster's token works: presence, drain and its withdrawal, flush.
         token = cluster.node_token
         for node in cluster.nodes:
-            status, answer, _ = _http(f"{node.admin_addr}/v1/present", "POST", {"keys": [k.hex() for k in keys]},
+            status, answer, _ = http(f"{node.admin_addr}/v1/present", "POST", {"keys": [k.hex() for k in keys]},
                                       token=token)
             assert status == 200 and sum(answer["present"]) == held[node.node_id]
         node = cluster.nodes[0]
-        status, answer, _ = _http(f"{node.admin_addr}/drain", "POST", token=token)
+        status, answer, _ = http(f"{node.admin_addr}/drain", "POST", token=token)
         assert status == 202 and answer["requested_by"] == ["http"]
-        status, answer, _ = _http(f"{node.admin_addr}/drain", "DELETE", token=token)
+        status, answer, _ = http(f"{node.admin_addr}/drain", "DELETE", token=token)
         assert status == 200 and answer["requested_by"] == []
         assert client.wait_for_nodes(2, timeout=10, exact=True)
         deleted = 0
         for node in cluster.nodes:
-            status, answer, _ = _http(f"{node.admin_addr}/v1/flush", "POST", {"namespace": "tenant"}, token=token)
+            status, answer, _ = http(f"{node.admin_addr}/v1/flush", "POST", {"namespace": "tenant"}, token=token)
             assert status == 200
             deleted += answer["deleted"]
         assert deleted == 20 and not any(client.lookup(keys))
         # Fault injection answers with the token (it is on in this cluster).
-        assert _http(f"{node.admin_addr}/debug/stall?seconds=0", "POST", token=token)[0] == 202
+        assert http(f"{node.admin_addr}/debug/stall?seconds=0", "POST", token=token)[0] == 202
 
 
 def test_a_node_without_a_token_refuses_every_guarded_endpoint(etcd_server, monkeypatch):

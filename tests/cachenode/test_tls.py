@@ -29,9 +29,9 @@ def _payload(size: int) -> bytes:
     return bytes(data)
 
 
-def _stats(node) -> dict:
+def _stats(cluster, node) -> dict:
     import json
-    with urllib.request.urlopen(f"{node.admin_addr}/stats", timeout=5) as r:
+    with urllib.request.urlopen(f"{node.admin_addr}/stats", timeout=5, context=cluster.admin_tls) as r:
         return json.loads(r.read())
 
 
@@ -77,7 +77,7 @@ def test_a_peer_without_credentials_gets_every_operation_refused_and_counted(tls
         key = b"guarded"
         client.put(key, b"x" * 4096, (1, 4096), "uint8", 16, namespace="tenant")
         held_by = client.locate([key])[0]
-        before = _stats(node)["tls_refused"]
+        before = _stats(tls_cluster, node)["tls_refused"]
         meta = ChunkItem.of(b"poison", b"p" * 4096, (1, 4096), "uint8", 16).meta
         requests = {
             "PUT": pack(P.encode(P.Put(rid=1, key=b"poison", meta=meta)), [b"p" * 4096]),
@@ -89,12 +89,12 @@ def test_a_peer_without_credentials_gets_every_operation_refused_and_counted(tls
         for op, frames in requests.items():
             got = _refused(node.data_addr, b"".join(bytes(f) for f in frames))
             assert MAGIC not in got, f"{op}: the node answered {got[:64]!r}"  # at most a TLS alert came back
-        wait_for(lambda: _stats(node)["tls_refused"] - before >= len(requests), 5, "the refusals counted")
+        wait_for(lambda: _stats(tls_cluster, node)["tls_refused"] - before >= len(requests), 5, "the refusals counted")
         # Nothing happened: the chunk is still there, unchanged, and the poison never landed.
         assert client.locate([key])[0] == held_by
         assert bytes(client.get([key])[0].data) == b"x" * 4096
         assert client.lookup([b"poison"]) == [False]
-        with urllib.request.urlopen(f"{node.admin_addr}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"{node.admin_addr}/metrics", timeout=5, context=tls_cluster.admin_tls) as r:
             assert b"kvring_node_tls_refused_total" in r.read()
 
 
@@ -144,6 +144,7 @@ class RecordingProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            src.close()  # each socket is the source of one pump: closed once, by it
 
     def close(self) -> None:
         self.listener.close()

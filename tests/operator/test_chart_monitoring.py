@@ -11,6 +11,8 @@ Kubernetes 1.35 schemas as in ``test_chart.py``.
 
 from __future__ import annotations
 
+import re
+
 import kubernetes_validate
 import yaml
 from test_chart import CHART, K8S_VERSION, NAMESPACE, by_kind, parse_cli, template
@@ -72,7 +74,17 @@ def test_monitors_select_the_pods_kvring_runs_on_their_metrics_ports():
     assert _selects(nodes["selector"], node_pod["metadata"]["labels"])
     (endpoint,) = nodes["podMetricsEndpoints"]
     assert endpoint["port"] in _port_names(node_pod) and endpoint["path"] == "/metrics"
-    assert endpoint["relabelings"][0]["targetLabel"] == "cachecluster"
+    relabel = {r["targetLabel"]: r for r in endpoint["relabelings"]}
+    assert relabel["cachecluster"]["sourceLabels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
+    # The scheme comes from the pod's annotation: https for a TLS cluster's nodes (the default),
+    # http for one with tls off; the scrape is encrypted with the chart's tlsConfig.
+    scheme = relabel["__scheme__"]
+    assert scheme["sourceLabels"] == ["__meta_kubernetes_pod_annotation_prometheus_io_scheme"]
+    plain_pod = render_statefulset("other", "team-a", ClusterSpec.from_dict({"memoryPerNode": "1Gi", "tls": False}))
+    for pod, want in ((node_pod, "https"), (plain_pod["spec"]["template"], "http")):
+        annotation = pod["metadata"]["annotations"]["prometheus.io/scheme"]
+        assert re.fullmatch(scheme["regex"], annotation) and annotation == want
+    assert endpoint["tlsConfig"] == {"insecureSkipVerify": True}
 
     for kind, name, target_kind, target, key in (
             ("PodMonitor", "kv-kvring-operator", "Deployment", "kv-kvring-operator", "podMetricsEndpoints"),

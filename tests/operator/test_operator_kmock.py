@@ -39,6 +39,7 @@ from kvring.cachenode.store import ENTRY_OVERHEAD
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
 from kvring.common.records import NodeRecord, PoolEventsRecord, RepairReport
+from kvring.common.tls import ClusterCredentials
 from kvring.local.cluster import NodeProcess
 from kvring.membership.etcd import Etcd
 from kvring.membership.registrar import Registrar
@@ -438,18 +439,27 @@ def test_replicas_change_is_followed(kube, etcd_server):
         assert "kvring.io/scale-in" not in cr["metadata"].get("annotations", {})
 
 
-def test_status_reports_pods_nodes_epoch_and_conditions(kube, etcd_server):
-    """Real nodes register in etcd; the test plays the StatefulSet controller for readiness."""
+def test_status_reports_pods_nodes_epoch_and_conditions(kube, etcd_server, tmp_path):
+    """Real nodes register in etcd, holding the credentials of the Secret the operator made, as
+    their pods would: their admin ports serve HTTPS, whose /stats the operator reads checking
+    that Secret's CA.  The test plays the StatefulSet controller for readiness."""
     api = kube.api
     cluster = f"{NS}.stat"
-    nodes = [NodeProcess(f"stat-{i}", 64 * MiB, etcd_server.endpoint, cluster, lease_ttl=3) for i in range(2)]
+    mounted = tmp_path / "tls"  # the Secret's volume, as the kubelet writes it
+    nodes = [NodeProcess(f"stat-{i}", 64 * MiB, etcd_server.endpoint, cluster, lease_ttl=3,
+                         extra=["--tls-dir", str(mounted)]) for i in range(2)]
     try:
-        for n in nodes:
-            n.start(wait=False)
-        for n in nodes:
-            n.wait_ready()
         with operator():
             api.create(cc_path(), cachecluster("stat", replicas=2, etcd={"endpoints": [etcd_server.endpoint]}))
+            secret = wait_for(lambda: api.get(path("v1", "secrets", "stat-tls")), what="the TLS Secret")
+            mounted.mkdir()
+            for key, value in secret["data"].items():
+                (mounted / key).write_bytes(base64.b64decode(value))
+            for n in nodes:
+                n.start(wait=False)
+            for n in nodes:
+                n.wait_ready()
+            assert all(n.admin_addr.startswith("https://") for n in nodes)
             cr = cc_when(api, "stat", cond_is("Ready", reason="PodsNotReady"))
             assert condition(cr, "Degraded")["reason"] == "Starting"
             set_ready(api, "stat", 2)
@@ -477,8 +487,8 @@ def test_status_reports_pods_nodes_epoch_and_conditions(kube, etcd_server):
             etcd_call(etcd_server.endpoint, cluster, lambda e: e.call(lambda c: c.revoke_lease(lease)))
             cc_when(api, "stat", lambda o: "poolEvents" not in o["status"], what="status.poolEvents removed")
 
-            # Bytes stored show up per node (from each node's admin /stats).
-            with ClusterClient(etcd_server.endpoint, cluster=cluster) as client:
+            # Bytes stored show up per node (from each node's admin /stats, over TLS).
+            with ClusterClient(etcd_server.endpoint, cluster=cluster, tls=ClusterCredentials.at(mounted)) as client:
                 assert client.wait_for_nodes(2)
                 assert client.put_many([ChunkItem.of(bytes([i]) * 16, np.full(MiB, i, np.uint8), [1, MiB], "uint8", 16)
                                         for i in range(8)]) == [1] * 8

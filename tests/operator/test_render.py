@@ -54,6 +54,10 @@ def pod(c):
     return sts(c)["spec"]["template"]["spec"]
 
 
+def _after(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
 def ctr(c):
     return pod(c)["containers"][0]
 
@@ -141,9 +145,9 @@ FIELDS = [
                  ("6000", 6000, 6000, 6000), id="ports.data"),
     pytest.param({"ports": {"admin": 9000}},
                  lambda c: (arg(c, "--admin-port"), port(ctr(c), "admin"), port(c[("Service", "kv")], "admin"),
-                            ctr(c)["lifecycle"]["preStop"]["exec"]["command"][-3],
+                            _after(ctr(c)["lifecycle"]["preStop"]["exec"]["command"], "--admin"),
                             sts(c)["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]),
-                 ("9000", 9000, 9000, "http://127.0.0.1:9000", "9000"), id="ports.admin"),
+                 ("9000", 9000, 9000, "https://127.0.0.1:9000", "9000"), id="ports.admin"),
     pytest.param({"ports": {"events": 7000, "eventsReplay": 7001}},
                  lambda c: (arg(c, "--events-port"), port(ctr(c), "events"), port(c[("Service", "kv-nodes")], "events"),
                             arg(c, "--events-replay-port"), port(ctr(c), "events-replay"),
@@ -274,26 +278,37 @@ def test_nodes_take_the_node_token_from_its_secret_and_the_configmap_names_it(tl
     assert ("--node-token-file" in ctr(c)["args"]) is False  # the node reads the variable
 
 
-def test_the_rendered_node_env_and_prestop_hook_drain_a_real_node(etcd_server, monkeypatch):
+def test_the_rendered_node_env_and_prestop_hook_drain_a_real_node(etcd_server, monkeypatch, tmp_path):
     """The pod as rendered, run for real: a node given the Secret's token through the rendered
-    environment refuses a drain without it, and the rendered preStop command (same environment,
-    the node's address) drains it."""
+    environment and the rendered TLS Secret's files (so its admin port serves HTTPS) refuses a
+    drain without the token, and the rendered preStop command (same environment and files, the
+    node's address) drains it."""
+    import base64
     import os
     import subprocess
     import sys
 
+    from kvring.common.tls import credentials_pem
     from kvring.local.cluster import NodeProcess
-    from kvring.operator.render import render_node_token_secret
+    from kvring.operator.render import render_node_token_secret, render_tls_secret
 
     container = ctr(children(spec_of()))
     env = _secret_env(container, [render_node_token_secret("kv", "ns", "s" * 48)])
+    mounted = tmp_path / "tls"  # the Secret's volume, as the kubelet writes it
+    mounted.mkdir()
+    for key, value in render_tls_secret("kv", "ns", credentials_pem("ns/kv"))["data"].items():
+        (mounted / key).write_bytes(base64.b64decode(value))
     for var, value in env.items():
         monkeypatch.setenv(var, value)  # NodeProcess passes this process's environment on to the node
-    node = NodeProcess("prestop-0", 16 << 20, etcd_server.endpoint, "render-prestop").start()
+    node_args = container["args"]
+    node = NodeProcess("prestop-0", 16 << 20, etcd_server.endpoint, "render-prestop",
+                       extra=["--tls-dir", str(mounted)] if "--tls-dir" in node_args else []).start()
     monkeypatch.delenv("KVRING_NODE_TOKEN")
     try:
+        assert node.admin_addr.startswith("https://")
         command = [sys.executable, *container["lifecycle"]["preStop"]["exec"]["command"][1:]]
         command[command.index("--admin") + 1] = node.admin_addr
+        command[command.index("--tls-dir") + 1] = str(mounted)
         command[command.index("--wait") + 1] = "20"
         refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1 and "HTTP 401" in refused.stderr
@@ -351,9 +366,17 @@ def test_statefulset_runs_stable_secure_nodes():
     assert arg(c, "--advertise-host") == "$(POD_NAME).kv-nodes.ns.svc"
     assert arg(c, "--cluster") == "ns.kv" == cluster_key("kv", "ns")
     assert arg(c, "--host") == "0.0.0.0"
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    # TLS (the default): the admin port serves HTTPS, which the probes use (without checking the
+    # certificate) and the preStop drain checks against the mounted CA.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin", "scheme": "HTTPS"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin", "scheme": "HTTPS"}
     assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "python", "-P", "-m", "kvring.cli", "drain", "--admin", "https://127.0.0.1:8080",
+        "--tls-dir", "/etc/kvring/tls", "--wait", "60"]
+    assert s["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    plain = ctr(children(spec_of(drainTimeoutSeconds=60, tls=False)))
+    assert plain["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "admin", "scheme": "HTTP"}
+    assert plain["lifecycle"]["preStop"]["exec"]["command"] == [
         "python", "-P", "-m", "kvring.cli", "drain", "--admin", "http://127.0.0.1:8080", "--wait", "60"]
     assert p["terminationGracePeriodSeconds"] >= 60 + 30
     assert p["securityContext"]["runAsNonRoot"] is True
