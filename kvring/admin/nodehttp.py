@@ -37,6 +37,11 @@ class NodeHTTPError(Exception):
         self.status = status
 
 
+class NodeTLSMismatch(NodeHTTPError):
+    """Nothing was sent: the node's address is ``https://`` and no credentials were given, or it
+    is ``http://`` while they were (``tls.admin_context``)."""
+
+
 async def request_json(base_url: str, method: str, path: str, body: Any = None, *, timeout: float,
                        token: str | None = None, tls: ssl.SSLContext | None = None) -> Any:
     """``method path`` on ``base_url`` (``http(s)://host:port``) with ``body`` as JSON; the decoded answer."""
@@ -46,7 +51,7 @@ async def request_json(base_url: str, method: str, path: str, body: Any = None, 
     try:
         context = admin_context(base_url, tls)
     except CredentialsError as exc:
-        raise NodeHTTPError(str(exc)) from None
+        raise NodeTLSMismatch(str(exc)) from None
     payload = b"" if body is None else json.dumps(body).encode()
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
     head = (f"{method} {path} HTTP/1.0\r\nHost: {url.netloc}\r\nAccept: application/json\r\n{auth}"

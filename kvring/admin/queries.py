@@ -35,7 +35,7 @@ from kvring.common.protocol import MAX_KEYS_PER_REQUEST
 from kvring.common.records import NodeRecord
 
 from .loopthread import LoopThread
-from .nodehttp import NodeHTTPError, request_json
+from .nodehttp import NodeHTTPError, NodeTLSMismatch, request_json
 from .settings import AdminSettings
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,9 @@ class NodeQueries:
         self._slots = asyncio.Semaphore(settings.max_concurrent_queries)  # serving loop only
         self._in_flight = 0  # serving loop only
         self._batchers: dict[tuple[str, str], _PresenceBatcher] = {}  # queries thread only
-        self._refused_by: set[str] = set()  # nodes that refused the token, warned about; queries thread only
+        # Nodes this admin cannot ask (they refuse its node token, or their TLS and its credentials
+        # disagree), warned about once; queries thread only.
+        self._cannot_ask: set[str] = set()
 
     def start(self) -> None:
         self.thread.start()
@@ -176,15 +178,16 @@ class NodeQueries:
             answer = await request_json(rec.admin_addr, "POST", path, body, timeout=self.settings.node_timeout,
                                         token=self.settings.node_token, tls=self.settings.node_tls)
         except NodeHTTPError as exc:
-            if exc.status in (401, 403) and rec.node_id not in self._refused_by:
-                self._refused_by.add(rec.node_id)
-                logger.warning("node %s refuses this admin's node token (%s): its lookups count it as holding "
-                               "nothing and flushes fail there; give `kvring admin` the token the nodes run with",
-                               rec.node_id, exc)
+            if rec.node_id not in self._cannot_ask and (exc.status in (401, 403) or isinstance(exc, NodeTLSMismatch)):
+                self._cannot_ask.add(rec.node_id)
+                fix = ("the cluster's credentials (--tls-dir) if and only if its nodes run TLS"
+                       if isinstance(exc, NodeTLSMismatch) else "the node token the nodes run with")
+                logger.warning("this admin cannot ask node %s (%s): its lookups count it as holding nothing and "
+                               "flushes fail there; give `kvring admin` %s", rec.node_id, exc, fix)
             raise NodeUnavailable(f"node {rec.node_id}: {path}: {exc}") from None
-        if rec.node_id in self._refused_by:
-            self._refused_by.discard(rec.node_id)
-            logger.info("node %s accepts this admin's node token again", rec.node_id)
+        if rec.node_id in self._cannot_ask:
+            self._cannot_ask.discard(rec.node_id)
+            logger.info("node %s answers this admin again", rec.node_id)
         if not isinstance(answer, dict):
             raise NodeUnavailable(f"node {rec.node_id}: {path} answered a JSON {type(answer).__name__}, not an object")
         return answer

@@ -169,9 +169,10 @@ def test_the_admin_api_asks_the_nodes_over_tls(cluster):
 
 
 def test_an_admin_api_without_the_credentials_says_which_setting_it_lacks(cluster):
-    """A `kvring admin` started without --tls-dir for a TLS cluster asks nothing in plain text and
-    lists each node as unreadable, saying which setting it lacks."""
-    admin = AdminProcess(cluster.etcd, cluster.cluster, node_token_file=cluster.node_token_file).start()
+    """A `kvring admin` started without --tls-dir for a TLS cluster asks nothing in plain text: it
+    lists each node as unreadable and its flush fails there, each saying which setting it lacks."""
+    token = "admin-token-" + "a" * 32
+    admin = AdminProcess(cluster.etcd, cluster.cluster, token=token, node_token_file=cluster.node_token_file).start()
     try:
         def nodes() -> list[dict]:
             with urllib.request.urlopen(f"{admin.url}/v1/nodes", timeout=10) as r:
@@ -180,6 +181,11 @@ def test_an_admin_api_without_the_credentials_says_which_setting_it_lacks(cluste
         assert len(listed) == len(cluster.nodes) and all(n["used"] is None for n in listed)
         assert all("serves its admin port over TLS: give the cluster's credentials (--tls-dir" in n["error"]
                    for n in listed), listed
+        code, body = _request(f"{admin.url}/v1/namespaces/tenant-x", "DELETE", context=None,
+                              headers={"Authorization": f"Bearer {token}"})
+        failed = json.loads(body)["failed"]
+        assert code == 502 and set(failed) == {n.node_id for n in cluster.nodes}
+        assert all("--tls-dir" in why for why in failed.values()), failed
     finally:
         admin.stop()
 
