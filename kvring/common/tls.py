@@ -9,9 +9,9 @@ client talks only to a node whose certificate it signed -- so a peer without the
 can neither read nor write, and nothing crosses the wire in plain text.  Names are not checked
 (pods come and go under addresses nobody knows in advance): holding a certificate of the
 cluster's CA is what makes a peer a member.  The certificate still names ``CERT_NAME`` and
-loopback, for tools that insist on checking a name.  A node's admin port serves HTTPS with the same
-certificate; there a client certificate is optional for the open endpoints (probes, metrics)
-and required, beside the node token, for the guarded ones.
+loopback, for tools that insist on checking a name.  A node's admin port serves HTTPS with the
+same certificate; there a client certificate is optional for the open endpoints (probes,
+metrics) and required, beside the node token, for the guarded ones.
 
 ``generate`` makes a fresh set (an ECDSA P-256 CA and certificate); ``kvring up`` does so for
 each local cluster and the operator for each CacheCluster.  TLS 1.3 only; no session tickets
