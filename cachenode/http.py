@@ -42,7 +42,7 @@ certificate and registers an ``https://`` admin address.  A client certificate i
 the open endpoints (kubelet probes and Prometheus come without one) and required, signed by the
 cluster CA, for the guarded ones: the node token alone, leaked, does not flush a node.  Each
 connection shakes hands on its own thread; every connection's silence is bounded by
-``REQUEST_TIMEOUT``.
+``REQUEST_TIMEOUT``, and at most ``MAX_CONNECTIONS`` are served at once.
 
 Threading contract: ``ThreadingHTTPServer`` answers on threads of its own; everything that
 touches the store runs on the node's I/O thread through ``Server.call``.
@@ -78,6 +78,10 @@ GUARDED = frozenset({"/v1/present", "/v1/flush", "/drain"})
 
 
 REQUEST_TIMEOUT = 10.0  # seconds a connection may stay silent, its TLS handshake included
+# Connections served at once; one more is closed as it arrives, so that a flood holds neither
+# more threads nor more descriptors than this (the node keeps a reserve of descriptors for etcd
+# and this port; ``server.py``).
+MAX_CONNECTIONS = 64
 
 
 def make_http_server(node: CacheNode, host: str, port: int, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
@@ -91,9 +95,33 @@ def make_http_server(node: CacheNode, host: str, port: int, tls: ssl.SSLContext 
 class _AdminServer(ThreadingHTTPServer):
     """A ``ThreadingHTTPServer`` whose connections, with ``tls``, shake hands on the request's own
     thread (under ``REQUEST_TIMEOUT``), never on the accepting one: a client that stops half-way
-    through its handshake holds up only itself, not the probes behind it."""
+    through its handshake holds up only itself, not the probes behind it.  At most
+    ``MAX_CONNECTIONS`` are served at once."""
 
     tls: ssl.SSLContext | None = None
+    request_queue_size = MAX_CONNECTIONS  # the listen backlog (socketserver's 5 drops a burst's SYNs)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            logger.debug("admin port: %d connections in flight, closing one from %s", MAX_CONNECTIONS,
+                         client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # its thread releases the slot
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def finish_request(self, request, client_address) -> None:
         if self.tls is None:

@@ -155,6 +155,36 @@ def test_clients_silent_in_their_handshake_do_not_hold_up_the_probes(cluster, ca
             s.close()
 
 
+def test_a_flood_of_connections_is_held_to_max_connections_and_the_port_recovers(cluster, ca_only):
+    """Past ``MAX_CONNECTIONS`` silent connections, each new one is closed as it arrives (no more
+    threads or descriptors); once the flood goes, the probes are answered again at once."""
+    from kvring.cachenode.http import MAX_CONNECTIONS
+
+    node = cluster.nodes[0]
+    host, _, port = node.admin_addr.removeprefix("https://").rpartition(":")
+    flood = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_CONNECTIONS)]
+    try:
+        def refused() -> bool:
+            with socket.create_connection((host, int(port)), timeout=5) as extra:
+                try:
+                    return extra.recv(1) == b""  # closed by the node, not left waiting
+                except ConnectionResetError:
+                    return True
+        wait_for(refused, 5, "a connection past MAX_CONNECTIONS closed at once")
+    finally:
+        for s in flood:
+            s.close()
+    code, _ = wait_for(lambda: _answer(node.admin_addr + "/healthz", ca_only), 5, "the probe answered again")
+    assert code == 200
+
+
+def _answer(url: str, context: ssl.SSLContext) -> tuple[int, bytes] | None:
+    try:
+        return _request(url, context=context)
+    except (urllib.error.URLError, ConnectionError, ssl.SSLError):
+        return None
+
+
 def test_the_admin_api_asks_the_nodes_over_tls(cluster):
     admin = cluster.admin.url
     _put(cluster, b"admin-api-key", "tenant-a")
