@@ -94,7 +94,7 @@ def test_guarded_endpoints_refuse_without_the_node_token_and_work_with_it(cluste
         token = cluster.node_token
         for node in cluster.nodes:
             status, answer, _ = http(f"{node.admin_addr}/v1/present", "POST", {"keys": [k.hex() for k in keys]},
-                                      token=token)
+                                     token=token)
             assert status == 200 and sum(answer["present"]) == held[node.node_id]
         node = cluster.nodes[0]
         status, answer, _ = http(f"{node.admin_addr}/drain", "POST", token=token)

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 
 import pytest
 from polling import wait_for
@@ -49,6 +50,12 @@ def _request(url: str, method: str = "GET", body: dict | None = None, *, context
         return exc.code, exc.read()
 
 
+def _address(node) -> tuple[str, int]:
+    """(host, port) of a node's admin port."""
+    url = urlsplit(node.admin_addr)
+    return url.hostname, url.port
+
+
 def _put(cluster: LocalCluster, key: bytes, namespace: str) -> None:
     with ClusterClient(cluster.etcd, cluster=cluster.cluster, tls=cluster.tls) as client:
         assert client.wait_for_nodes(1)
@@ -70,8 +77,8 @@ def test_the_admin_port_serves_https_under_the_cluster_ca_and_answers_no_plain_h
         assert code == 200, (path, body[:200])
     assert json.loads(_request(node.admin_addr + "/stats", context=ca_only)[1])["node_id"] == node.node_id
     # Plain HTTP gets no HTTP answer: the node only speaks TLS there.
-    host, _, port = node.admin_addr.removeprefix("https://").rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
+    host, port = _address(node)
+    with socket.create_connection((host, port), timeout=5) as sock:
         sock.sendall(b"GET /stats HTTP/1.0\r\n\r\n")
         got = b""
         try:
@@ -84,10 +91,10 @@ def test_the_admin_port_serves_https_under_the_cluster_ca_and_answers_no_plain_h
     strict = ssl.create_default_context(cafile=str(cluster.tls.ca))
     assert strict.check_hostname
     assert _request(node.admin_addr + "/healthz", context=strict)[0] == 200  # 127.0.0.1, an IP SAN
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
+    with socket.create_connection((host, port), timeout=5) as sock:
         with strict.wrap_socket(sock, server_hostname=CERT_NAME) as named:
             assert named.version() == "TLSv1.3"
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
+    with socket.create_connection((host, port), timeout=5) as sock:
         with pytest.raises(ssl.SSLCertVerificationError, match="mismatch"):
             strict.wrap_socket(sock, server_hostname="some-other-name")
     # A client that trusts another CA does not take this node for one of its cluster.
@@ -120,8 +127,8 @@ def test_a_guarded_endpoint_over_tls_needs_the_cluster_certificate_and_the_token
 
 def test_the_node_token_and_the_answers_cross_the_wire_encrypted(cluster):
     node = cluster.nodes[0]
-    host, _, port = node.admin_addr.removeprefix("https://").rpartition(":")
-    proxy = RecordingProxy((host, int(port)))
+    host, port = _address(node)
+    proxy = RecordingProxy((host, port))
     _put(cluster, b"watched-key", "tenant-w")
     try:
         code, body = _request(f"https://127.0.0.1:{proxy.port}/v1/present", "POST",
@@ -141,8 +148,8 @@ def test_clients_silent_in_their_handshake_do_not_hold_up_the_probes(cluster, ca
     """A connection that sends nothing, or half a handshake, waits on a thread of its own (and is
     closed after REQUEST_TIMEOUT); the accepting thread goes on serving the probes."""
     node = cluster.nodes[0]
-    host, _, port = node.admin_addr.removeprefix("https://").rpartition(":")
-    silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(6)]
+    host, port = _address(node)
+    silent = [socket.create_connection((host, port), timeout=5) for _ in range(6)]
     try:
         silent[0].sendall(b"\x16\x03\x01\x02\x00")  # the start of a ClientHello record, and no more
         started = time.monotonic()
@@ -161,11 +168,11 @@ def test_a_flood_of_connections_is_held_to_max_connections_and_the_port_recovers
     from kvring.cachenode.http import MAX_CONNECTIONS
 
     node = cluster.nodes[0]
-    host, _, port = node.admin_addr.removeprefix("https://").rpartition(":")
-    flood = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_CONNECTIONS)]
+    host, port = _address(node)
+    flood = [socket.create_connection((host, port), timeout=5) for _ in range(MAX_CONNECTIONS)]
     try:
         def refused() -> bool:
-            with socket.create_connection((host, int(port)), timeout=5) as extra:
+            with socket.create_connection((host, port), timeout=5) as extra:
                 try:
                     return extra.recv(1) == b""  # closed by the node, not left waiting
                 except ConnectionResetError:
