@@ -50,7 +50,6 @@ touches the store runs on the node's I/O thread through ``Server.call``.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import json
 import logging
@@ -64,6 +63,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvring.common import protocol as P
+from kvring.common.tls import ContextSource
 
 from .dispatch import MISNUMBERINGS
 
@@ -84,7 +84,7 @@ REQUEST_TIMEOUT = 10.0  # seconds a connection may stay silent, its TLS handshak
 MAX_CONNECTIONS = 64
 
 
-def make_http_server(node: CacheNode, host: str, port: int, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+def make_http_server(node: CacheNode, host: str, port: int, tls: ContextSource | None = None) -> ThreadingHTTPServer:
     """The admin port on ``host:port``: HTTPS with ``tls`` (``ClusterCredentials.admin_server_context``)."""
     server = _AdminServer((host, port), _handler_class(node))
     server.tls = tls
@@ -98,7 +98,7 @@ class _AdminServer(ThreadingHTTPServer):
     through its handshake holds up only itself, not the probes behind it.  At most
     ``MAX_CONNECTIONS`` are served at once."""
 
-    tls: ssl.SSLContext | None = None
+    tls: ContextSource | None = None
     request_queue_size = MAX_CONNECTIONS  # the listen backlog (socketserver's 5 drops a burst's SYNs)
 
     def __init__(self, *args, **kwargs) -> None:
@@ -129,7 +129,7 @@ class _AdminServer(ThreadingHTTPServer):
             return
         request.settimeout(REQUEST_TIMEOUT)
         try:
-            conn = self.tls.wrap_socket(request, server_side=True)  # takes over the descriptor
+            conn = self.tls().wrap_socket(request, server_side=True)  # takes over the descriptor
         except (ssl.SSLError, OSError) as exc:
             logger.debug("admin port: no TLS handshake with %s: %s", client_address[0], exc)
             return
@@ -226,7 +226,7 @@ def _handler_class(node: CacheNode):
                                        "start it with --node-token-file PATH or KVRING_NODE_TOKEN (`kvring up` and "
                                        "the operator do), then send it as `Authorization: Bearer <token>`")
             scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
-            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode()):
+            if scheme.lower() == "bearer" and expected.accepts(given.strip()):
                 return
             logger.debug("refused %s from %s: %s node token", what, self.client_address[0],
                          "a wrong" if scheme else "no")

@@ -68,6 +68,24 @@ class NodeMetrics:
         ):
             Gauge(name, doc, registry=r).set_function(read)
 
+    def watch_credentials(self, tls, server) -> None:
+        """Gauges of the node's TLS credentials (``common.tls.ClusterCredentials``): when the
+        certificate it shows expires, how often a new set was taken, whether the files now in
+        place failed to load (the last good set is still in use), and connections closed when a
+        CA was dropped (``server.Server``)."""
+        r = self.registry
+        for name, doc, read in (
+            ("kvring_node_tls_cert_expiry_timestamp_seconds", "When the certificate the node shows expires "
+             "(Unix seconds)", lambda: tls.loaded.not_after if tls.loaded else 0),
+            ("kvring_node_tls_reloads_total", "New TLS credentials taken from the mounted files without a restart",
+             lambda: tls.reloads),
+            ("kvring_node_tls_reload_failing", "1 while the credentials' files in place do not load (the last good "
+             "set stays in use)", lambda: 1 if tls.reload_error else 0),
+            ("kvring_node_tls_closed_total", "Connections closed because the CA that admitted them is no longer "
+             "trusted", lambda: server.tls_closed),
+        ):
+            Gauge(name, doc, registry=r).set_function(read)
+
     def watch_disk(self, disk, rewritten: Callable[[], int]) -> None:
         """Gauges of the disk tier (``disk.tier.DiskTier``) and ``rewritten()``, the chunks the node
         wrote to it again as their segment went (``Holdings``): read when scraped."""

@@ -37,8 +37,9 @@ import msgspec
 from kvring.common import protocol as P
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, NodeIdTaken
+from kvring.common.nodetoken import NodeToken
 from kvring.common.records import NodeRecord
-from kvring.common.tls import ClusterCredentials, CredentialsError
+from kvring.common.tls import RELOAD_CHECK, ClusterCredentials, CredentialsError, LoadedSet
 from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.events.publisher import PublisherSettings
 from kvring.membership.settings import EtcdSettings
@@ -61,8 +62,6 @@ from .server import Server
 from .store import ChunkStore
 
 logger = logging.getLogger(__name__)
-
-MIN_NODE_TOKEN_CHARS = 32
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class NodeConfig:
     tls: ClusterCredentials | None = None  # the cluster's credentials: mutual TLS on the data port
     # The cluster's node token: what the admin port's mutating and prefix-revealing endpoints
     # (flush, present, drain, debug) require as ``Authorization: Bearer``; None: they answer 403.
-    node_token: str | None = field(default=None, repr=False)
+    node_token: NodeToken | None = None
     # KV events (vLLM's wire format) of the chunks that name their blocks; None: not published.
     events: PublisherSettings | None = None
     disk: DiskConfig | None = None  # the disk tier under memory (--disk-dir); None: memory only
@@ -123,10 +122,6 @@ class NodeConfig:
             raise ValueError("--receive-timeout must be positive seconds, e.g. --receive-timeout 10")
         if not self.drain_poll > 0:
             raise ValueError("drain_poll must be positive seconds")
-        if self.node_token is not None and (len(self.node_token) < MIN_NODE_TOKEN_CHARS or not self.node_token.isascii()
-                                            or not self.node_token.isprintable() or " " in self.node_token):
-            raise ValueError(f"the node token must be at least {MIN_NODE_TOKEN_CHARS} printable ASCII characters "
-                             "without spaces (it travels in an HTTP header); generate one with `openssl rand -hex 32`")
         make_policy(self.policy)
 
 
@@ -150,7 +145,7 @@ class CacheNode:
                              max_total=config.max_chunk_bytes)
         self.server = Server(config.host, config.data_port, handler=lambda conn, msg: None, limits=limits,
                              allocate=self.buffers.take,
-                             tls=config.tls.server_context() if config.tls is not None else None,
+                             tls=config.tls.server_context if config.tls is not None else None,
                              receive_budget=config.receive_budget, receive_timeout=config.receive_timeout)
         self.metrics.watch_server(self.server)
         self.data_port = self.server.port
@@ -159,8 +154,11 @@ class CacheNode:
             self.metrics.watch_disk(self.disk, rewritten=lambda: self.holdings.rewritten)
         self.dispatcher = Dispatcher(config.node_id, self.holdings, self.metrics, self.server,
                                      config.max_chunk_bytes, self.stats)
+        if config.tls is not None:
+            config.tls.on_reload(self._credentials_reloaded)
+            self.metrics.watch_credentials(config.tls, self.server)
         self.http = make_http_server(self, config.host, config.admin_port,
-                                     tls=config.tls.admin_server_context() if config.tls is not None else None)
+                                     tls=config.tls.admin_server_context if config.tls is not None else None)
         self.admin_port = self.http.server_address[1]
         adv = config.advertise_host or config.host
         self.record = NodeRecord(
@@ -190,13 +188,34 @@ class CacheNode:
             return len(self.holdings)
         return self.server.call(self.holdings.__len__)
 
+    def _credentials_reloaded(self, before: LoadedSet, after: LoadedSet) -> None:
+        """New credentials were taken (any thread): with a CA no longer trusted, the connections
+        its certificates opened are closed (their peers connect again under what is trusted)."""
+        dropped = set(before.trusted) - set(after.trusted)
+        if dropped:
+            def close() -> None:
+                closed = self.server.close_tls_before()
+                logger.info("CA %s no longer trusted: closed %d connection(s) it admitted", ", ".join(sorted(dropped)),
+                            closed)
+            self.server.post(close)
+
+    def _look_at_credentials(self) -> None:
+        """Look at the credentials' files every ``RELOAD_CHECK`` seconds (loop thread), so that a
+        change takes effect, and is reported in ``/stats``, even while nobody connects."""
+        if self.config.tls is not None:
+            self.config.tls.refresh()
+        if self.config.node_token is not None:
+            self.config.node_token.refresh()
+        self.server.later(RELOAD_CHECK, self._look_at_credentials)
+
     def start_background(self) -> None:
         threading.Thread(target=self.http.serve_forever, name="kvring-http", daemon=True).start()
+        self.server.post(self._look_at_credentials)
         self.holdings.announce_disk()
         if self.config.etcd is None:
             return
         # The id probe and the self-check PING this node's data port like any client.
-        client_tls = self.config.tls.client_context() if self.config.tls is not None else None
+        client_tls = self.config.tls.client_context if self.config.tls is not None else None
         check = None
         if self.config.self_check_interval > 0:
             interval = self.config.self_check_interval
@@ -304,12 +323,25 @@ class CacheNode:
             "connection_limit": self.server.connection_limit,
             "tls": self.config.tls is not None,
             "tls_refused": self.metrics.refused_count,
+            "tls_closed": self.server.tls_closed,
+            "credentials": self._credentials_stats(),
             "kv_events": self.events.publisher.stats() if self.events else None,
             "disk": self._disk_stats(),
             "uptime_s": round(time.time() - self.started, 3),
             "pid": os.getpid(),
         }
 
+
+    def _credentials_stats(self) -> dict:
+        """What the node has loaded of its credentials, so that a rotation can tell when every
+        node has taken a step: the TLS set's fingerprints and the number of node tokens."""
+        tls, token = self.config.tls, self.config.node_token
+        return {
+            "tls": None if tls is None or tls.loaded is None else {
+                **tls.loaded.as_dict(), "reloads": tls.reloads, "reload_error": tls.reload_error},
+            "node_token": None if token is None else {
+                "accepted": token.fingerprints, "reloads": token.reloads, "reload_error": token.reload_error},
+        }
 
     def _disk_stats(self) -> dict | None:
         if self.disk is None:

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import ssl
 from collections.abc import Callable
 
 import msgspec
 
 from kvring.common import protocol as P
 from kvring.common.records import NodeRecord, split_data_addr
+from kvring.common.tls import ContextSource
 
 from .framing import MAGIC, PREFIX, pack
 
 PROBE_TIMEOUT = 1.0  # how long a node holding our id has to answer PING
 
 
-async def answers_as(record: NodeRecord, timeout: float = PROBE_TIMEOUT, tls: ssl.SSLContext | None = None) -> bool:
+async def answers_as(record: NodeRecord, timeout: float = PROBE_TIMEOUT, tls: ContextSource | None = None) -> bool:
     """Whether the node at ``record``'s data address answers PING as ``record.node_id`` (over
     TLS with the cluster's credentials, if given), on a connection of its own."""
     pinger = Pinger(record.data_addr, tls)
@@ -39,7 +39,7 @@ class Pinger:
     stayed silent is closed (a late PONG must not answer the next PING), and the next PING
     opens another.  ``on_connect`` gets each new connection's local "host:port"."""
 
-    def __init__(self, data_addr: str, tls: ssl.SSLContext | None = None,
+    def __init__(self, data_addr: str, tls: ContextSource | None = None,
                  on_connect: Callable[[str], None] | None = None) -> None:
         self.data_addr = data_addr
         self.tls = tls
@@ -69,7 +69,7 @@ class Pinger:
         try:
             host, port = split_data_addr(self.data_addr)
             self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, ssl=self.tls), timeout)
+                asyncio.open_connection(host, port, ssl=self.tls() if self.tls else None), timeout)
         except (OSError, TimeoutError, ValueError):
             return False
         local = self._writer.get_extra_info("sockname")

@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import ssl
 import threading
 
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError, NodeIdTaken
 from kvring.common.records import NodeRecord, RepairReport
 from kvring.common.types import NodeState
+from kvring.common.tls import ContextSource
 from kvring.membership.etcd import Etcd
 from kvring.membership.registrar import Registrar
 from kvring.membership.settings import EtcdSettings
@@ -52,7 +52,7 @@ def repair_report(node_id: str, incarnation: str, progress) -> RepairReport:
 class Registration:
     def __init__(self, settings: EtcdSettings, record: NodeRecord, contract: Contract, ttl: int,
                  drain: Drain, drain_poll: float, self_check: SelfCheck | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ContextSource | None = None) -> None:
         self.settings = settings
         self.self_check = self_check
         self.drain = drain

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import Callable
 
 from kvring.common.records import NodeRecord
+from kvring.common.tls import ContextSource
 
 from .probe import Pinger
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 class SelfCheck:
     def __init__(self, record: Callable[[], NodeRecord], on_change: Callable[[bool], None], interval: float = 5.0,
-                 failures: int = 3, timeout: float = 2.0, tls: ssl.SSLContext | None = None,
+                 failures: int = 3, timeout: float = 2.0, tls: ContextSource | None = None,
                  on_connect: Callable[[str], None] | None = None) -> None:
         self.record = record
         self.tls = tls

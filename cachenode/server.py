@@ -58,6 +58,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
+from kvring.common.tls import ContextSource
+
 from .framing import (FIRST_BUFFER, WOULD_BLOCK, ConnectionClosed, FrameLimits, FrameReader, FramingError, Message,
                       SendQueue)
 
@@ -104,10 +106,11 @@ class Connection:
 class Server:
     def __init__(self, host: str, port: int, handler: Callable[[Connection, Message], None],
                  limits: FrameLimits, allocate: Callable[[int], object] | None = None,
-                 tls: ssl.SSLContext | None = None, receive_budget: int = 32 << 20,
+                 tls: ContextSource | None = None, receive_budget: int = 32 << 20,
                  receive_timeout: float = 10.0) -> None:
         self.handler = handler
-        self.tls = tls  # the cluster's credentials: every connection must complete a TLS handshake
+        # The cluster's credentials as they are now: every connection must complete a TLS handshake.
+        self.tls = tls
         self.limits = limits
         self.allocate = allocate  # where large payloads are read into (see ``FrameReader``)
         self.receive_budget = receive_budget
@@ -151,6 +154,7 @@ class Server:
         self.accept_pauses = 0  # times accepting was paused
         self.shed = 0  # connections closed to make room
         self.timed_out = 0  # connections closed for silence in the middle of a message
+        self.tls_closed = 0  # connections closed because a CA that admitted them was dropped
         self._last_error = ""
         self._reported = (0, 0, 0, 0)
         self._reported_at = time.monotonic()
@@ -185,6 +189,18 @@ class Server:
     def stop(self) -> None:
         self._stopping = True
         self._wake()
+
+    def close_tls_before(self) -> int:
+        """Close every connection whose TLS handshake ran under credentials since replaced (loop
+        thread only): once a CA is no longer trusted, the peers it admitted go too, and come back
+        under what is trusted now.  Returns how many were closed."""
+        assert self.tls is not None
+        current = self.tls()
+        replaced = [c for c in self.conns if isinstance(c.sock, ssl.SSLSocket) and c.sock.context is not current]
+        for conn in replaced:
+            self._close(conn)
+        self.tls_closed += len(replaced)
+        return len(replaced)
 
     def keep_peer(self, peer: str) -> None:
         """Never shed the connection from ``peer`` ("host:port"): the node's own self-check,
@@ -272,7 +288,7 @@ class Server:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
-                sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                sock = self.tls().wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             conn = Connection(sock, f"{addr[0]}:{addr[1]}", self.limits, self.allocate, time.monotonic())
             self.conns.add(conn)
             self._by_fd[sock.fileno()] = conn

@@ -77,7 +77,7 @@ class ClusterClient:
         self.timeout = timeout
         self.marks = FailureMarks(failure_backoff)
         self.links = Links(connect_timeout=timeout, buffer_pool_bytes=buffer_pool_bytes,
-                           tls=tls.client_context() if tls is not None else None)
+                           tls=tls.client_context if tls is not None else None)
         self._closed = False
         self.membership = Membership(self.settings, contract, resync_interval, handoff_window, self._members_changed,
                                      contract_wait)

@@ -34,6 +34,7 @@ import msgspec
 from kvring.common import protocol as P
 from kvring.common.errors import NodeUnavailable, RemoteError, remote_error
 from kvring.common.records import split_data_addr
+from kvring.common.tls import ContextSource
 
 from ..buffers import SlabPool
 from ..framing import ConnectionClosed, FrameLimits, FrameReader, FramingError, SendQueue, pack
@@ -78,19 +79,20 @@ class Failure:
 class Connection:
     """A non-blocking TCP connection to one node, with its reader and send queue."""
 
-    __slots__ = ("node_id", "sock", "reader", "out", "streamed", "outstanding", "heard", "poller")
+    __slots__ = ("node_id", "sock", "context", "reader", "out", "streamed", "outstanding", "heard", "poller")
 
     def __init__(self, node_id: str, host: str, port: int, timeout: float, buffers: SlabPool,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ContextSource | None = None) -> None:
         self.node_id = node_id
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise NodeUnavailable(f"cannot connect to node {node_id} at {host}:{port}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls is not None:  # the handshake runs here, within ``timeout``
+        self.context = tls() if tls is not None else None  # the credentials it was opened under
+        if self.context is not None:  # the handshake runs here, within ``timeout``
             try:
-                self.sock = TlsStream(self.sock, tls)
+                self.sock = TlsStream(self.sock, self.context)
             except (ssl.SSLError, OSError) as exc:
                 self.sock.close()
                 raise NodeUnavailable(f"TLS handshake with node {node_id} at {host}:{port} failed: {exc} (are "
@@ -117,7 +119,7 @@ class NodeLink:
     """One node's address and its idle connections (shared by threads)."""
 
     def __init__(self, node_id: str, data_addr: str, connect_timeout: float, buffers: SlabPool,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ContextSource | None = None) -> None:
         try:
             self.host, self.port = split_data_addr(data_addr)
         except ValueError as exc:
@@ -138,9 +140,11 @@ class NodeLink:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 return Connection(self.node_id, self.host, self.port, self.connect_timeout, self.buffers, self.tls)
-            if not conn.stale():
+            if not conn.stale() and (self.tls is None or conn.context is self.tls()):
                 return conn
-            conn.close()  # the node closed it (it restarted, or it dropped an idle client)
+            # The node closed it (it restarted, or it dropped an idle client), or it was opened
+            # under credentials since replaced (which may no longer be trusted).
+            conn.close()
 
     def release(self, conn: Connection) -> None:
         with self._lock:
@@ -160,9 +164,9 @@ class NodeLink:
 class Links:
     """Every member's ``NodeLink``, replaced as membership changes."""
 
-    def __init__(self, connect_timeout: float, buffer_pool_bytes: int, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, connect_timeout: float, buffer_pool_bytes: int, tls: ContextSource | None = None) -> None:
         self.connect_timeout = connect_timeout
-        self.tls = tls  # the cluster's credentials (client side), or None for plain TCP
+        self.tls = tls  # the cluster's credentials as they are now (client side), or None for plain TCP
         # Where large payloads handed to callers are read into, reused once they drop them.
         self.buffers = SlabPool(buffer_pool_bytes)
         self._links: dict[str, NodeLink] = {}

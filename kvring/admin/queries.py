@@ -174,9 +174,10 @@ class NodeQueries:
     # ---- the queries thread -------------------------------------------------------------------
 
     async def _post(self, rec: NodeRecord, path: str, body: dict) -> dict:
+        token = self.settings.node_token
         try:
             answer = await request_json(rec.admin_addr, "POST", path, body, timeout=self.settings.node_timeout,
-                                        token=self.settings.node_token, tls=self.settings.node_tls)
+                                        token=token.presented() if token else None, tls=self.settings.node_tls)
         except NodeHTTPError as exc:
             if rec.node_id not in self._cannot_ask and (exc.status in (401, 403) or isinstance(exc, NodeTLSMismatch)):
                 self._cannot_ask.add(rec.node_id)

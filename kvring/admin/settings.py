@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass, field
-from functools import cached_property
 
+from kvring.common.nodetoken import NodeToken
 from kvring.common.tls import ClusterCredentials
 from kvring.common.units import format_size
 from kvring.membership.settings import EtcdSettings
 
 MIN_TOKEN_CHARS = 16
-MIN_NODE_TOKEN_CHARS = 32  # as the nodes require (cachenode.node.NodeConfig)
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class AdminSettings:
 
     etcd: EtcdSettings
     token: str | None = field(default=None, repr=False)
-    node_token: str | None = field(default=None, repr=False)
+    node_token: NodeToken | None = None
     tls: ClusterCredentials | None = None
     # Seconds to wait for one node's admin port (its /stats, key queries, flushes); a node that
     # does not answer /stats in time is listed as unreachable.
@@ -63,11 +62,6 @@ class AdminSettings:
             if not self.token.isascii() or not self.token.isprintable() or " " in self.token:
                 raise ValueError("the admin token must be printable ASCII without spaces (it travels in an "
                                  "HTTP header)")
-        if self.node_token is not None and (len(self.node_token) < MIN_NODE_TOKEN_CHARS or not self.node_token.isascii()
-                                            or not self.node_token.isprintable() or " " in self.node_token):
-            raise ValueError(f"the node token must be at least {MIN_NODE_TOKEN_CHARS} printable ASCII characters "
-                             "without spaces, the one the cluster's nodes were started with (--node-token-file or "
-                             "KVRING_NODE_TOKEN)")
         for name in ("node_timeout", "view_interval", "view_timeout", "view_stale_after", "query_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
@@ -89,7 +83,8 @@ class AdminSettings:
         """The body limit for people: ``1 MiB (1048576 bytes)``."""
         return f"{format_size(self.max_body_bytes)} ({self.max_body_bytes} bytes)"
 
-    @cached_property
+    @property
     def node_tls(self) -> ssl.SSLContext | None:
-        """The client context for the nodes' admin ports (built once), or None without ``tls``."""
+        """The client context for the nodes' admin ports (the credentials as they are now), or None
+        without ``tls``."""
         return self.tls.client_context() if self.tls is not None else None

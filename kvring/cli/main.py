@@ -19,6 +19,7 @@ from kvring.common.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from kvring.cachenode.pool_events import PoolEvents
+    from kvring.common.nodetoken import NodeToken
     from kvring.local.cluster import LocalCluster
     from kvring.membership.settings import EtcdSettings
 
@@ -38,7 +39,8 @@ TlsDirOpt = Annotated[Path | None, typer.Option(
 NodeTokenFileOpt = Annotated[Path | None, typer.Option(
     "--node-token-file", show_default=False,
     help="File holding the cluster's node token, which the nodes' admin ports require for flush, drain and key "
-         "queries (default: the KVRING_NODE_TOKEN variable).")]
+         "queries, read again when it changes (one token per line while it changes: the first is sent, each is "
+         "accepted) (default: the KVRING_NODE_TOKEN variable).")]
 VerboseOpt = Annotated[bool, typer.Option(
     "--verbose", "-v", help="Log at DEBUG level, and print the traceback of an error (for a bug report).")]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")]
@@ -74,22 +76,22 @@ def _credentials(tls_dir: Path | None):
         raise typer.BadParameter(str(exc), param_hint="--tls-dir") from None
 
 
-def _node_token(token_file: Path | None) -> str | None:
-    """The node token: what ``--node-token-file`` holds, else ``KVRING_NODE_TOKEN``, else None (each
-    without surrounding whitespace); a one-line usage error for a file that cannot be read or is empty."""
+def _node_token(token_file: Path | None) -> NodeToken | None:
+    """The node token: ``--node-token-file`` (its lines, followed as the file changes), else
+    ``KVRING_NODE_TOKEN``, else None; a one-line usage error for a file that cannot be read, is
+    empty or holds a malformed token."""
     import os
 
-    if token_file is None:
-        return os.environ.get("KVRING_NODE_TOKEN", "").strip() or None
+    from kvring.common.nodetoken import NodeToken, NodeTokenError
+
     try:
-        token = token_file.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise typer.BadParameter(f"cannot read {token_file}: {getattr(exc, 'strerror', None) or exc}",
-                                 param_hint="--node-token-file") from None
-    if not token:
-        raise typer.BadParameter(f"{token_file} is empty; it should hold the cluster's node token",
-                                 param_hint="--node-token-file")
-    return token
+        if token_file is not None:
+            return NodeToken.from_file(token_file)
+        token = os.environ.get("KVRING_NODE_TOKEN", "").strip()
+        return NodeToken.fixed(token) if token else None
+    except NodeTokenError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--node-token-file" if token_file else "KVRING_NODE_TOKEN") \
+            from None
 
 
 def _free_port(host: str, port: int, flag: str) -> None:
@@ -802,7 +804,9 @@ def drain(
     creds = _credentials(tls_dir)
     tls = creds.client_context() if creds is not None else None
     if admin_url is not None:
-        drain_via_admin(admin_url, wait, cancel, typer.echo, token=_node_token(node_token_file), tls=tls)
+        node_token = _node_token(node_token_file)
+        drain_via_admin(admin_url, wait, cancel, typer.echo, token=node_token.presented() if node_token else None,
+                        tls=tls)
     else:
         if not node_id:
             raise typer.BadParameter("--etcd needs --node NODE_ID", param_hint="--node")

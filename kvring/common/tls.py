@@ -16,16 +16,34 @@ metrics) and required, beside the node token, for the guarded ones.
 ``generate`` makes a fresh set (an ECDSA P-256 CA and certificate); ``kvring up`` does so for
 each local cluster and the operator for each CacheCluster.  TLS 1.3 only; no session tickets
 (a client's idle connection must stay silent until it asks something).
+
+Credentials follow their directory: each context a ``ClusterCredentials`` hands out is built from
+the files as they are (looked at again at most every ``RELOAD_CHECK`` seconds, whenever a
+connection is made), so a Secret that Kubernetes updates in its volume, or files replaced in
+place, take effect on the next connection without a restart.  A set that does not load (a key
+that is not the certificate's, a half-written file) is not taken: the last good one stays, and
+``reload_error`` says why.  ``ca.crt`` may hold several CAs, all of them trusted; a rotation to a
+new CA goes in the three steps of ``rotation_step`` (trust both, present the new, drop the old),
+each taken once every holder has loaded the one before.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
+import hashlib
 import ipaddress
+import logging
 import os
+import re
 import ssl
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 CA_FILE, CERT_FILE, KEY_FILE = "ca.crt", "tls.crt", "tls.key"
 # The name every cluster certificate carries (with loopback's addresses), for clients that check
@@ -38,23 +56,66 @@ class CredentialsError(ValueError):
     """The credentials directory is missing a file, or its files do not form a set."""
 
 
-@dataclass(frozen=True)
-class ClusterCredentials:
-    """A directory holding ``ca.crt``, ``tls.crt`` and ``tls.key``."""
+# The TLS context to use for the next connection, whatever the credentials are by then.
+ContextSource = Callable[[], ssl.SSLContext]
+RELOAD_CHECK = 1.0  # seconds between two looks at the credentials' files
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
 
-    directory: Path
+
+class Role(enum.Enum):
+    """What a context is for."""
+
+    SERVER = "server"  # a node's data port: the peer must show a certificate of the cluster
+    CLIENT = "client"  # a client of the nodes: the node must show one
+    ADMIN_SERVER = "admin-server"  # a node's admin port: a client certificate is optional
+
+
+@dataclass(frozen=True)
+class LoadedSet:
+    """What a process has loaded of its credentials: fingerprints (the first 16 hex digits of a
+    SHA-256 of the DER) of the certificate it shows and of every CA it trusts, when the
+    certificate expires, and when the set was loaded (Unix seconds)."""
+
+    cert: str
+    trusted: tuple[str, ...]
+    not_after: float
+    loaded_at: float
+
+    def as_dict(self) -> dict:
+        return {"cert": self.cert, "trusted": list(self.trusted), "not_after": self.not_after,
+                "loaded_at": self.loaded_at}
+
+
+class ClusterCredentials:
+    """A directory holding ``ca.crt``, ``tls.crt`` and ``tls.key``, and the contexts built from
+    what it holds now (thread-safe).  ``on_reload(fn)`` has ``fn(before, after)`` called, on the
+    thread that noticed, each time a new set is taken."""
+
+    def __init__(self, directory: str | os.PathLike, *, check_interval: float = RELOAD_CHECK) -> None:
+        self.directory = Path(directory)
+        self.check_interval = check_interval
+        self.reloads = 0  # sets taken after the first
+        self.reload_error: str | None = None  # why the files now in the directory are not loaded
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[LoadedSet, LoadedSet], None]] = []
+        self._stamp: tuple = ()
+        self._checked = 0.0
+        self._digest = b""
+        self._contexts: dict[Role, ssl.SSLContext] = {}
+        self.loaded: LoadedSet | None = None
+
+    def __repr__(self) -> str:
+        return f"ClusterCredentials({str(self.directory)!r})"
 
     @classmethod
-    def at(cls, directory: str | os.PathLike) -> ClusterCredentials:
-        """The credentials in ``directory``; ``CredentialsError`` naming what is missing."""
-        creds = cls(Path(directory))
-        if not creds.directory.is_dir():
-            raise CredentialsError(f"TLS directory {creds.directory} does not exist (it needs ca.crt, tls.crt and "
-                                   "tls.key; `kvring up` makes them, or mount the cluster's Secret)")
-        missing = [name for name in (CA_FILE, CERT_FILE, KEY_FILE) if not (creds.directory / name).is_file()]
-        if missing:
-            raise CredentialsError(f"TLS directory {creds.directory} lacks {', '.join(missing)} (it needs ca.crt, "
-                                   "tls.crt and tls.key; `kvring up` makes them, or mount the cluster's Secret)")
+    def at(cls, directory: str | os.PathLike, *, check_interval: float = RELOAD_CHECK) -> ClusterCredentials:
+        """The credentials in ``directory``, loaded; ``CredentialsError`` naming what is missing
+        or does not load."""
+        creds = cls(directory, check_interval=check_interval)
+        creds._stamp = creds._look()
+        contexts, digest, loaded = creds._load()
+        creds._contexts, creds._digest, creds.loaded = contexts, digest, loaded
+        creds._checked = time.monotonic()
         return creds
 
     @property
@@ -69,34 +130,158 @@ class ClusterCredentials:
     def key(self) -> Path:
         return self.directory / KEY_FILE
 
-    def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(purpose, cafile=str(self.ca))
+    def server_context(self) -> ssl.SSLContext:
+        """A node's side: the peer must show a certificate a trusted CA signed."""
+        return self._current(Role.SERVER)
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client's side: the node must show a certificate a trusted CA signed."""
+        return self._current(Role.CLIENT)
+
+    def admin_server_context(self) -> ssl.SSLContext:
+        """A node's admin port: a client's certificate is asked for but optional (kubelet probes
+        and Prometheus read the open endpoints without one), and checked against the trusted CAs
+        when shown; the guarded endpoints then require one (``cachenode/http.py``)."""
+        return self._current(Role.ADMIN_SERVER)
+
+    def on_reload(self, fn: Callable[[LoadedSet, LoadedSet], None]) -> None:
+        self._listeners.append(fn)
+
+    def refresh(self) -> bool:
+        """Look at the files now; True if a new set was taken."""
+        with self._lock:
+            return self._refresh_locked()
+
+    def _current(self, role: Role) -> ssl.SSLContext:
+        if time.monotonic() - self._checked >= self.check_interval and self._lock.acquire(blocking=False):
+            try:  # one thread looks; the others go on with what is loaded
+                self._refresh_locked()
+            finally:
+                self._lock.release()
+        return self._contexts[role]
+
+    def _refresh_locked(self) -> bool:
+        self._checked = time.monotonic()
+        try:
+            stamp = self._look()
+        except CredentialsError as exc:
+            self._refused(str(exc))
+            return False
+        if stamp == self._stamp:
+            return False
+        try:
+            contexts, digest, loaded = self._load()
+        except CredentialsError as exc:
+            self._refused(str(exc))
+            return False
+        self._stamp = stamp
+        self.reload_error = None
+        if digest == self._digest:  # touched, or back to the set in use
+            return False
+        before = self.loaded
+        self._contexts, self._digest, self.loaded = contexts, digest, loaded
+        if before is None:  # the first set (built without ``at``)
+            return True
+        self.reloads += 1
+        logger.info("cluster credentials in %s reloaded: certificate %s, trusting %s", self.directory,
+                    loaded.cert, ", ".join(loaded.trusted))
+        for fn in self._listeners:
+            fn(before, loaded)
+        return True
+
+    def _refused(self, why: str) -> None:
+        if why != self.reload_error:
+            logger.warning("keeping the loaded cluster credentials: %s", why)
+        self.reload_error = why
+
+    def _look(self) -> tuple:
+        """The files' identities (through symlinks: Kubernetes swaps a Secret volume's link)."""
+        if not self.directory.is_dir():
+            raise CredentialsError(f"TLS directory {self.directory} does not exist (it needs ca.crt, tls.crt and "
+                                   "tls.key; `kvring up` makes them, or mount the cluster's Secret)")
+        stamp, missing = [], []
+        for path in (self.ca, self.cert, self.key):
+            try:
+                st = path.stat()
+            except OSError:
+                missing.append(path.name)
+                continue
+            stamp.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+        if missing:
+            raise CredentialsError(f"TLS directory {self.directory} lacks {', '.join(missing)} (it needs ca.crt, "
+                                   "tls.crt and tls.key; `kvring up` makes them, or mount the cluster's Secret)")
+        return tuple(stamp)
+
+    def _read(self) -> tuple[bytes, bytes, bytes]:
+        try:
+            return self.ca.read_bytes(), self.cert.read_bytes(), self.key.read_bytes()
+        except OSError as exc:
+            raise CredentialsError(f"cannot read the credentials in {self.directory}: {exc}") from None
+
+    def _load(self) -> tuple[dict[Role, ssl.SSLContext], bytes, LoadedSet]:
+        """Contexts of every role from the files, which must not change while they load (files
+        replaced one by one could otherwise pair one set's key with another's certificate)."""
+        for _ in range(3):
+            files = self._read()
+            contexts = {role: self._context(role) for role in Role}
+            if self._read() == files:
+                return contexts, hashlib.sha256(b"".join(files)).digest(), describe(files[0], files[1])
+        raise CredentialsError(f"the credentials in {self.directory} kept changing while they loaded")
+
+    def _context(self, role: Role) -> ssl.SSLContext:
+        purpose = ssl.Purpose.SERVER_AUTH if role is Role.CLIENT else ssl.Purpose.CLIENT_AUTH
+        try:
+            ctx = ssl.create_default_context(purpose, cafile=str(self.ca))
+        except (ssl.SSLError, OSError) as exc:
+            raise CredentialsError(f"cannot load the CA certificates in {self.ca}: {exc}") from None
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.check_hostname = False  # membership is the CA's signature, not an address
-        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.verify_mode = ssl.CERT_OPTIONAL if role is Role.ADMIN_SERVER else ssl.CERT_REQUIRED
         try:
             ctx.load_cert_chain(str(self.cert), str(self.key))
         except (ssl.SSLError, OSError) as exc:
             raise CredentialsError(f"cannot load {self.cert} and {self.key}: {exc}") from None
+        if role is not Role.CLIENT:
+            ctx.num_tickets = 0
         return ctx
 
-    def server_context(self) -> ssl.SSLContext:
-        """A node's side: the peer must show a certificate the cluster CA signed."""
-        ctx = self._context(ssl.Purpose.CLIENT_AUTH)
-        ctx.num_tickets = 0
-        return ctx
 
-    def client_context(self) -> ssl.SSLContext:
-        """A client's side: the node must show a certificate the cluster CA signed."""
-        return self._context(ssl.Purpose.SERVER_AUTH)
+def _fingerprint(der: bytes) -> str:
+    return hashlib.sha256(der).hexdigest()[:16]
 
-    def admin_server_context(self) -> ssl.SSLContext:
-        """A node's admin port: a client's certificate is asked for but optional (kubelet probes
-        and Prometheus read the open endpoints without one), and checked against the cluster CA
-        when shown; the guarded endpoints then require one (``cachenode/http.py``)."""
-        ctx = self.server_context()
-        ctx.verify_mode = ssl.CERT_OPTIONAL
-        return ctx
+
+def _certificates(pem: bytes) -> list[bytes]:
+    """The DER of each certificate in a PEM bundle."""
+    return [ssl.PEM_cert_to_DER_cert(block.decode("ascii")) for block in _PEM_CERT.findall(pem)]
+
+
+def describe(ca_pem: bytes, cert_pem: bytes) -> LoadedSet:
+    from cryptography import x509
+
+    der = _certificates(cert_pem)[0]  # the certificate shown (a chain's first): it loaded, so it is there
+    not_after = x509.load_der_x509_certificate(der).not_valid_after_utc.timestamp()
+    return LoadedSet(cert=_fingerprint(der), trusted=tuple(_fingerprint(c) for c in _certificates(ca_pem)),
+                     not_after=not_after, loaded_at=round(time.time(), 3))
+
+
+class RotationStep(enum.Enum):
+    """The three steps from one set of credentials to another (``rotation_step``)."""
+
+    TRUST = "trust"  # every holder trusts the old CA and the new, and shows the old certificate
+    PRESENT = "present"  # every holder shows the new certificate, still trusting both
+    DROP = "drop"  # the old CA is no longer trusted: the new set alone
+
+
+def rotation_step(old: dict[str, bytes], new: dict[str, bytes], step: RotationStep) -> dict[str, bytes]:
+    """The files (``{"ca.crt", "tls.crt", "tls.key"}``) a step of the rotation from ``old`` to
+    ``new`` puts in place.  Each step needs every holder to have loaded the one before: until all
+    trust the new CA, none may show its certificate, and until none shows the old, none may stop
+    trusting it."""
+    if step is RotationStep.DROP:
+        return dict(new)
+    both = old[CA_FILE].rstrip(b"\n") + b"\n" + new[CA_FILE]
+    shown = old if step is RotationStep.TRUST else new
+    return {CA_FILE: both, CERT_FILE: shown[CERT_FILE], KEY_FILE: shown[KEY_FILE]}
 
 
 def verifying_context(ca_pem: bytes) -> ssl.SSLContext:
@@ -153,11 +338,15 @@ def credentials_pem(cluster: str, days: int = 3650) -> dict[str, bytes]:
 
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvring cluster {cluster} CA")])
+    # Each CA's name is its own: during a rotation two CAs of one cluster are trusted side by side,
+    # and a verifier picks a certificate's issuer by name (then by key identifier, given).
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                            f"kvring cluster {cluster} CA {now:%Y-%m-%d} {os.urandom(4).hex()}")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
           .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
           .not_valid_after(now + datetime.timedelta(days=days))
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
           .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                        content_commitment=False, key_encipherment=False, data_encipherment=False,
                                        key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
@@ -168,6 +357,7 @@ def credentials_pem(cluster: str, days: int = 3650) -> dict[str, bytes]:
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .add_extension(x509.SubjectAlternativeName([

@@ -12,7 +12,6 @@ queries and fault injection need it (``cachenode/http.py``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -356,9 +355,10 @@ class LocalCluster:
         tls = {"tls_dir": str(self.tls.directory)} if self.tls is not None else {}
         return {"etcd": self.etcd, "cluster": self.cluster, **tls, **extra}
 
-    @functools.cached_property
+    @property
     def admin_tls(self) -> ssl.SSLContext | None:
-        """The client context for the nodes' admin ports (HTTPS, with ``tls``), or None."""
+        """The client context for the nodes' admin ports (HTTPS, with ``tls``; the credentials as
+        they are now), or None."""
         return self.tls.client_context() if self.tls is not None else None
 
     @property

@@ -28,6 +28,7 @@ from kvring.admin import AdminSettings
 from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.store import ENTRY_OVERHEAD
 from kvring.common.chunk import ChunkItem
+from kvring.common.nodetoken import NodeToken
 from kvring.connector.keys import KeyScope, KVLayout, request_keys
 from kvring.local.cluster import LocalCluster, free_port
 from kvring.membership.settings import EtcdSettings
@@ -309,7 +310,7 @@ def test_without_the_node_token_what_asks_the_nodes_answers_503_and_changes_noth
     assert all(client.lookup(keys))
     assert server.log().count("warning: no node token") == 1
     with pytest.raises(ValueError, match="at least 32 printable ASCII"):
-        AdminSettings(etcd=EtcdSettings.parse(cluster.etcd, cluster=cluster.cluster), node_token="short")
+        NodeToken.fixed("short")
 
 
 def test_a_wrong_node_token_is_refused_by_the_nodes_and_flushes_nothing(cluster, client, admin_server, tmp_path):

@@ -161,7 +161,7 @@ def test_a_recording_proxy_between_client_and_node_sees_no_chunk_byte(cluster_fa
     data = _payload(1 << 20)
     item = ChunkItem.of(b"recorded", data, (4, len(data) // 4), "uint8", 256)
     links = Links(connect_timeout=5, buffer_pool_bytes=64 << 20,
-                  tls=cluster.tls.client_context() if encrypted else None)
+                  tls=cluster.tls.client_context if encrypted else None)
     links.update({node.node_id: f"tcp://127.0.0.1:{proxy.port}"})
     try:
         with Exchange(links, timeout=5) as ex:

@@ -238,6 +238,6 @@ def test_a_node_that_never_answers_the_handshake_is_unavailable_within_the_timeo
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never speaks TLS
     t0 = time.monotonic()
     with pytest.raises(NodeUnavailable, match="TLS handshake with node n0 .* failed"):
-        Connection("n0", "127.0.0.1", silent.getsockname()[1], 1.0, SlabPool(1 << 20), creds.client_context())
+        Connection("n0", "127.0.0.1", silent.getsockname()[1], 1.0, SlabPool(1 << 20), creds.client_context)
     assert time.monotonic() - t0 < 5
     silent.close()
