@@ -54,6 +54,7 @@ from . import status as st
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, OwnedElsewhere, contains, controlled_by, wanted_fields
 from .metrics import OperatorMetrics
+from .rotator import Rotator
 from .spec import GROUP, PLURAL, VERSION, ClusterSpec, SpecError, check_name
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class CacheClusterHandlers:
     def __init__(self, config: OperatorConfig) -> None:
         self.config = config
         self.kube: KubeClient | None = None
+        self.rotator: Rotator | None = None
         self.http: aiohttp.ClientSession | None = None
         self._etcd: dict[tuple[tuple[str, ...], str], Etcd] = {}
         self.metrics = OperatorMetrics()
@@ -146,6 +148,7 @@ class CacheClusterHandlers:
         # wait that long for it rather than kopf's default of ten loop turns.
         settings.background.instant_exit_timeout = STOP_WAIT_SECONDS
         self.kube = await KubeClient.connect(timeout=self.config.api_timeout)
+        self.rotator = Rotator(self.kube)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.stats_timeout))
 
     async def shutdown(self, **_: Any) -> None:
@@ -384,10 +387,14 @@ class CacheClusterHandlers:
         if cs.disk is not None and sts is not None and not problem:
             roll = await self._advance_roll(name, namespace, cs, sts, pending is not None, meta, body, patch, logger)
 
+        stats = await self._stats(name, namespace, cs, members)
+        assert self.rotator is not None
+        rotating = await self.rotator.advance(name, namespace, cs, meta.get("annotations", {}), body, patch, members,
+                                              stats)
         obs = st.Observation(
             name=name, generation=generation, desired=cs.replicas, statefulset=sts, members=members,
-            revision=revision, etcd_error=etcd_error, pool_events=pool_events,
-            stats=await self._stats(name, namespace, cs, members),
+            revision=revision, etcd_error=etcd_error, pool_events=pool_events, stats=stats,
+            rotation=rotating.as_dict(st.iso_at) if rotating is not None else None,
             scale_in=pending.view if pending is not None else None, spec_problem=problem,
             rollout=roll.status if roll is not None else None, progressing=roll.condition if roll is not None else None)
         new = st.build_status(obs, status, selector=render.selector(name),

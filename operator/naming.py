@@ -44,17 +44,27 @@ def tls_secret(name: str) -> str:
     return f"{name}-tls"
 
 
+def rotation_secret(name: str) -> str:
+    """``<name>-tls-rotation``: the old credentials and the new while a rotation is in progress
+    (``rotation.py``); deleted when it ends."""
+    return f"{name}-tls-rotation"
+
+
 TLS_MOUNT = "/etc/kvring/tls"  # where nodes (and the chart's vLLM pods) mount that Secret
 
 
 def node_token_secret(name: str) -> str:
     """``<name>-node-token``: the cluster's node token (key ``token``), which the nodes' admin
     ports require for flush, drain and key queries; the nodes, their preStop hook and the admin
-    API read it from their environment (``KVRING_NODE_TOKEN``)."""
+    API read it from the Secret's volume (``NODE_TOKEN_FILE``), following it as it changes."""
     return f"{name}-node-token"
 
 
-NODE_TOKEN_KEY = "token"  # the key of the token in that Secret
+NODE_TOKEN_MOUNT = "/etc/kvring/node-token"  # where node pods (and the chart's admin API) mount that Secret
+
+
+NODE_TOKEN_KEY = "token"  # the key of the token in that Secret (one token per line during a rotation)
+NODE_TOKEN_FILE = f"{NODE_TOKEN_MOUNT}/{NODE_TOKEN_KEY}"
 
 
 def etcd_name(name: str) -> str:

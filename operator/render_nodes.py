@@ -27,7 +27,9 @@ from typing import Any
 
 from .contract import CONFIG_HASH_ANNOTATION, config_data, config_hash
 from .naming import (
+    NODE_TOKEN_FILE,
     NODE_TOKEN_KEY,
+    NODE_TOKEN_MOUNT,
     TLS_MOUNT,
     cluster_key,
     config_map,
@@ -85,6 +87,7 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
         "--lease-ttl", str(spec.lease_ttl),
         "--policy", spec.policy,
         *(("--tls-dir", TLS_MOUNT) if spec.tls else ()),
+        "--node-token-file", NODE_TOKEN_FILE,
         *(_disk_args(spec.disk) if spec.disk else ()),
     ]
 
@@ -98,13 +101,11 @@ def _disk_args(disk: DiskSpec) -> list[str]:
 
 
 def node_env(name: str) -> list[dict[str, Any]]:
-    """The node container's environment: its pod's name and namespace, and the node token (which
-    ``kvring node`` and the preStop ``kvring drain`` both read from ``KVRING_NODE_TOKEN``)."""
+    """The node container's environment: its pod's name and namespace.  (The node token is a file
+    of the Secret's volume, ``--node-token-file``: a variable would not follow a rotation.)"""
     return [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "KVRING_NODE_TOKEN",
-         "valueFrom": {"secretKeyRef": {"name": node_token_secret(name), "key": NODE_TOKEN_KEY}}},
     ]
 
 
@@ -128,7 +129,8 @@ def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
                 "periodSeconds": period, "timeoutSeconds": 3, "failureThreshold": failures}
 
     drain = [*ENTRY, "drain", "--admin", f"{admin_scheme(spec)}://127.0.0.1:{spec.admin_port}",
-             *(("--tls-dir", TLS_MOUNT) if spec.tls else ()), "--wait", str(spec.drain_timeout_seconds)]
+             *(("--tls-dir", TLS_MOUNT) if spec.tls else ()), "--node-token-file", NODE_TOKEN_FILE,
+             "--wait", str(spec.drain_timeout_seconds)]
     return {
         "name": "cachenode",
         "image": spec.image,
@@ -149,6 +151,7 @@ def _container(name: str, namespace: str, spec: ClusterSpec) -> dict[str, Any]:
         "securityContext": container_security_context(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
                          *([{"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}] if spec.tls else []),
+                         {"name": "node-token", "mountPath": NODE_TOKEN_MOUNT, "readOnly": True},
                          *([{"name": DISK_VOLUME, "mountPath": DISK_MOUNT}] if spec.disk else [])],
     }
 
@@ -234,7 +237,9 @@ def render_statefulset(name: str, namespace: str, spec: ClusterSpec, replicas: i
                     "containers": [_container(name, namespace, spec)],
                     "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
                                 *([{"name": "tls", "secret": {"secretName": tls_secret(name), "defaultMode": 0o440}}]
-                                  if spec.tls else [])],
+                                  if spec.tls else []),
+                                {"name": "node-token",
+                                 "secret": {"secretName": node_token_secret(name), "defaultMode": 0o440}}],
                     **_scheduling(name, spec),
                 },
             },
@@ -289,8 +294,9 @@ def render_client_service(name: str, namespace: str, spec: ClusterSpec) -> dict[
 
 def render_tls_secret(name: str, namespace: str, files: dict[str, bytes]) -> dict[str, Any]:
     """``<name>-tls``: the cluster's data-plane credentials (``kvring.common.tls.credentials_pem``),
-    made once when the Secret does not exist and never rewritten (that would cut every node off
-    from every client until all had restarted)."""
+    made once when the Secret does not exist.  Replaced at once, it would cut nodes off from
+    clients until each had taken the new set; the operator changes it only in a rotation's
+    steps (``rotation.py``)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -302,8 +308,8 @@ def render_tls_secret(name: str, namespace: str, files: dict[str, bytes]) -> dic
 
 def render_node_token_secret(name: str, namespace: str, token: str) -> dict[str, Any]:
     """``<name>-node-token``: the token the nodes' admin ports require (key ``token``), made once
-    when the Secret does not exist and never rewritten by the operator (running nodes keep the
-    token they started with; to rotate it, replace the Secret and restart the nodes and the admin)."""
+    when the Secret does not exist; the operator changes it only in a rotation (``rotation.py``),
+    in steps the nodes and the admin API follow from the Secret's volume."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",

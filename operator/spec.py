@@ -169,6 +169,9 @@ class ClusterSpec:
     policy: str = "lru"
     lease_ttl: int = 10
     drain_timeout_seconds: int = 120
+    # Seconds each step of a credentials rotation stays in place at least, once every node has
+    # taken it: for the clients the operator cannot see (vLLM pods mounting the Secrets).
+    rotation_step_seconds: int = 120
     etcd: EtcdSpec = field(default_factory=EtcdSpec)
     auth_secret: str | None = None
     data_port: int = 5555
@@ -192,7 +195,7 @@ class ClusterSpec:
 
 _SPEC_KEYS = ("replicas", "image", "imagePullPolicy", "memoryPerNode", "resources", "chunkSize",
               "virtualNodes", "replication", "evictionPolicy", "leaseTtlSeconds", "drainTimeoutSeconds",
-              "etcd", "authSecret", "ports", "nodeSelector", "tolerations", "affinity",
+              "rotationStepSeconds", "etcd", "authSecret", "ports", "nodeSelector", "tolerations", "affinity",
               "topologySpreadConstraints", "tls", "disk", "networkPolicy", "poolEvents")
 
 
@@ -222,6 +225,7 @@ class _Reader:
             "policy": self._enum(s, "evictionPolicy", "lru", EVICTION_POLICIES),
             "lease_ttl": self._int(s, "leaseTtlSeconds", 10, 2, 300),
             "drain_timeout_seconds": self._int(s, "drainTimeoutSeconds", 120, 0, 3600),
+            "rotation_step_seconds": self._int(s, "rotationStepSeconds", 120, 0, 86400),
             "etcd": self._etcd(s.get("etcd")),
             "auth_secret": self._str(s, "authSecret", None),
             "node_selector": self._node_selector(s.get("nodeSelector")),

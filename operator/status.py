@@ -40,8 +40,13 @@ from kvring.common.records import PoolEventsRecord
 from kvring.common.types import NodeState
 
 CONDITION_TYPES = ("Ready", "Degraded", "Rebalancing", "ConfigMismatch", "Progressing")
-OPTIONAL_FIELDS = ("poolEvents",)  # status fields ``build_status`` leaves out when there is nothing to say
+OPTIONAL_FIELDS = ("poolEvents", "credentialsRotation")  # status fields ``build_status`` leaves out when there is nothing to say
 MOVING_STATES = frozenset({NodeState.JOINING, NodeState.DRAINING, NodeState.DRAINED})
+
+
+def iso_at(unix: float) -> str:
+    """``now_iso`` of a Unix time."""
+    return now_iso(datetime.datetime.fromtimestamp(unix, datetime.UTC))
 
 
 def now_iso(at: datetime.datetime | None = None) -> str:
@@ -135,6 +140,7 @@ class Observation:
     spec_problem: str = ""  # why the spec cannot be applied to the running cluster ("" if it can)
     rollout: Mapping[str, Any] | None = None  # status.rollout (clusters with a disk tier)
     progressing: Condition | None = None
+    rotation: Mapping[str, Any] | None = None  # status.credentialsRotation (one in progress)
 
 
 def ordinal(name: str, node_id: str) -> int | None:
@@ -280,6 +286,7 @@ def build_status(obs: Observation, previous: Mapping[str, Any] | None, *, select
     return {
         **rollout,
         **({"poolEvents": pool_events} if pool_events is not None else {}),
+        **({"credentialsRotation": dict(obs.rotation)} if obs.rotation is not None else {}),
         "observedGeneration": obs.generation,
         "replicas": pods,
         "readyReplicas": ready_pods,

@@ -131,7 +131,7 @@ def test_rbac_is_least_privilege():
         ("apps", "deployments"): write,  # the event stream, <name>-events
         ("", "services"): write,
         ("", "configmaps"): write,
-        ("", "secrets"): {"get", "create"},  # the data-plane credentials: made once, never read back out
+        ("", "secrets"): {"get", "create", "patch", "delete"},  # credentials: made once, changed by a rotation
         ("policy", "poddisruptionbudgets"): write,
         ("networking.k8s.io", "networkpolicies"): write,
         ("", "pods"): {"get", "list", "watch"},
@@ -297,11 +297,24 @@ def test_vllm_mounts_the_credentials_where_its_connector_settings_look():
     assert ConnectorConfig.from_sources(extra, environ={}).tls_dir == extra["tls_dir"]
 
 
+def _token_file_secret(pod: dict) -> str:
+    """The Secret behind the admin container's ``--node-token-file``: its volume's, mounted there."""
+    (container,) = pod["containers"]
+    args = container["args"]
+    file = Path(args[args.index("--node-token-file") + 1])
+    (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == file.parent]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert file.name == "token" and mount["readOnly"]
+    return volume["secret"]["secretName"]
+
+
 def test_admin_api_reads_its_cachecluster_and_token():
     docs = by_kind(template(*SCENARIOS["admin"]))
-    (container,) = docs[("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]["containers"]
+    pod = docs[("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
     assert container["args"] == ["admin", "--etcd", "$(KVRING_ETCD)", "--cluster", "$(KVRING_CLUSTER)",
-                                 "--host", "0.0.0.0", "--port", "8000"]
+                                 "--host", "0.0.0.0", "--port", "8000",
+                                 "--node-token-file", "/etc/kvring/node-token/token"]
     env = {e["name"]: e["valueFrom"] for e in container["env"]}
     spec = ClusterSpec.from_dict(docs[("CacheCluster", "kv-cache")]["spec"])
     (configmap,) = [o for o in render_children("kv-cache", NAMESPACE, spec) if o["kind"] == "ConfigMap"]
@@ -311,22 +324,23 @@ def test_admin_api_reads_its_cachecluster_and_token():
     assert env["KVRING_ADMIN_TOKEN"] == {"secretKeyRef": {"name": "kv-admin", "key": "token"}}
     assert configmap["data"]["admin-token-secret"] == "kv-admin"
     # The node token its lookups and flushes send to the nodes: the Secret the operator makes for
-    # this CacheCluster (and names in its ConfigMap), read by `kvring admin` from KVRING_NODE_TOKEN.
+    # this CacheCluster (and names in its ConfigMap), mounted and read as a file, so the admin
+    # follows a rotation (no variable: it would keep the token the pod started with).
     secret = render_node_token_secret("kv-cache", NAMESPACE, "x" * 64)
-    assert env["KVRING_NODE_TOKEN"] == {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}}
+    assert _token_file_secret(pod) == secret["metadata"]["name"]
+    assert "KVRING_NODE_TOKEN" not in env
     assert list(secret["data"]) == ["token"] and configmap["data"]["node-token-secret"] == secret["metadata"]["name"]
-    assert parse_cli(container["args"])["node_token_file"] is None  # so the variable is what it reads
+    assert parse_cli(container["args"])["node_token_file"] == Path("/etc/kvring/node-token/token")
     assert docs[("Service", "kv-kvring-admin")]["spec"]["ports"][0]["port"] == 8000
     # Without a token Secret the mutating endpoints are off, and no Secret is referenced.
-    (bare,) = by_kind(template("--set", "cacheCluster.enabled=true", "--set", "admin.enabled=true"))[
-        ("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]["containers"]
-    assert "KVRING_ADMIN_TOKEN" not in {e["name"] for e in bare["env"]}
-    assert {e["name"]: e["valueFrom"] for e in bare["env"]}["KVRING_NODE_TOKEN"] == env["KVRING_NODE_TOKEN"]
+    bare = by_kind(template("--set", "cacheCluster.enabled=true", "--set", "admin.enabled=true"))[
+        ("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]
+    assert "KVRING_ADMIN_TOKEN" not in {e["name"] for e in bare["containers"][0]["env"]}
+    assert _token_file_secret(bare) == secret["metadata"]["name"]
     # An admin for another CacheCluster reads that cluster's node token.
-    (other,) = by_kind(template("--set", "admin.enabled=true", "--set", "admin.cacheClusterName=team-cache"))[
-        ("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]["containers"]
-    assert {e["name"]: e["valueFrom"] for e in other["env"]}["KVRING_NODE_TOKEN"] == {
-        "secretKeyRef": {"name": "team-cache-node-token", "key": "token"}}
+    other = by_kind(template("--set", "admin.enabled=true", "--set", "admin.cacheClusterName=team-cache"))[
+        ("Deployment", "kv-kvring-admin")]["spec"]["template"]["spec"]
+    assert _token_file_secret(other) == "team-cache-node-token"
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -198,8 +198,10 @@ def test_create_makes_every_child_with_owner_references_and_a_rerun_changes_noth
         assert sorted(objs["Secret"]["data"]) == ["ca.crt", "tls.crt", "tls.key"]
         token = base64.b64decode(objs["Secret node-token"]["data"]["token"]).decode()
         assert len(token) == 64 and int(token, 16) >= 0  # 32 random bytes, as hex
-        env = {e["name"]: e.get("valueFrom") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert env["KVRING_NODE_TOKEN"] == {"secretKeyRef": {"name": "cache-node-token", "key": "token"}}
+        pod_spec = sts["spec"]["template"]["spec"]
+        assert {"name": "node-token", "secret": {"secretName": "cache-node-token", "defaultMode": 0o440}} \
+            in pod_spec["volumes"]
+        assert args[args.index("--node-token-file") + 1] == "/etc/kvring/node-token/token"
         assert objs["ConfigMap"]["data"]["node-token-secret"] == "cache-node-token"
         # The event stream follows this cluster's etcd and advertises its Service's name.
         (relay,) = objs["Deployment events"]["spec"]["template"]["spec"]["containers"]

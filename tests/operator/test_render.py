@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -136,7 +138,7 @@ FIELDS = [
                             [m["mountPath"] for m in ctr(c)["volumeMounts"]],
                             "tls_dir" in json.loads(c[("ConfigMap", "kv-config")]["data"]["kv-transfer-config"])
                             ["kv_connector_extra_config"]),
-                 (False, ["tmp"], ["/tmp"], False), id="tls"),
+                 (False, ["tmp", "node-token"], ["/tmp", "/etc/kvring/node-token"], False), id="tls"),
     pytest.param({"authSecret": "kv-admin"}, lambda c: c[("ConfigMap", "kv-config")]["data"].get("admin-token-secret"),
                  "kv-admin", id="authSecret"),
     pytest.param({"ports": {"data": 6000}},
@@ -222,7 +224,9 @@ def test_every_spec_field_has_a_render_row():
     from kvring.operator.spec import _SPEC_KEYS
 
     covered = {p.id.split(".")[0] for p in FIELDS}
-    assert covered == set(_SPEC_KEYS)
+    # Read by the status pass, rendered into no object (test_rotation_plan, test_rotation_kmock).
+    operator_only = {"rotationStepSeconds"}
+    assert covered == set(_SPEC_KEYS) - operator_only
 
 
 def test_tls_credentials_are_mounted_into_nodes_and_named_to_the_connector():
@@ -252,17 +256,37 @@ def test_the_tls_secret_holds_a_working_set_of_credentials(tmp_path):
     assert creds.server_context() and creds.client_context()
 
 
-def _secret_env(container: dict, secrets: list[dict]) -> dict[str, str]:
-    """The variables ``container`` takes from ``secrets``, as the kubelet would set them."""
+def _mount_secrets(pod_spec: dict, secrets: list[dict], root) -> dict[str, str]:
+    """Write each Secret volume of ``pod_spec`` that its container mounts, as the kubelet would,
+    under ``root``; the mount path -> the directory standing for it."""
     import base64
 
-    data = {(s["metadata"]["name"], k): base64.b64decode(v).decode() for s in secrets for k, v in s["data"].items()}
-    return {e["name"]: data[ref["name"], ref["key"]] for e in container["env"]
-            if (ref := e.get("valueFrom", {}).get("secretKeyRef"))}
+    by_name = {s["metadata"]["name"]: s for s in secrets}
+    volumes = {v["name"]: v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v}
+    mounted = {}
+    for m in pod_spec["containers"][0]["volumeMounts"]:
+        if volumes.get(m["name"]) in by_name:
+            where = root / m["name"]
+            where.mkdir()
+            for key, value in by_name[volumes[m["name"]]]["data"].items():
+                (where / key).write_bytes(base64.b64decode(value))
+            mounted[m["mountPath"]] = str(where)
+    return mounted
+
+
+def _local(argv: list[str], mounted: dict[str, str]) -> list[str]:
+    """``argv`` with paths under a mount turned into the directory standing for it."""
+    out = []
+    for a in argv:
+        for mount, where in mounted.items():
+            if a == mount or a.startswith(mount + "/"):
+                a = where + a[len(mount):]
+        out.append(a)
+    return out
 
 
 @pytest.mark.parametrize("tls", [True, False])
-def test_nodes_take_the_node_token_from_its_secret_and_the_configmap_names_it(tls):
+def test_nodes_take_the_node_token_from_its_secret_as_a_file_and_the_configmap_names_it(tls, tmp_path):
     from kvring.operator.render import node_token_secret, render_node_token_secret
 
     secret = render_node_token_secret("kv", "ns", "t" * 64)
@@ -271,20 +295,21 @@ def test_nodes_take_the_node_token_from_its_secret_and_the_configmap_names_it(tl
                                                                                            "Opaque")
     assert secret["metadata"]["labels"] == {**SELECTOR, "app.kubernetes.io/managed-by": "kvring-operator"}
     c = children(spec_of(tls=tls))
-    assert {"name": "KVRING_NODE_TOKEN", "valueFrom": {"secretKeyRef": {"name": "kv-node-token", "key": "token"}}} \
-        in ctr(c)["env"]
-    assert _secret_env(ctr(c), [secret]) == {"KVRING_NODE_TOKEN": "t" * 64}
+    # A file of the Secret's volume, which the kubelet updates in place (a variable would keep the
+    # token the pod started with through a rotation).
+    assert "KVRING_NODE_TOKEN" not in {e["name"] for e in ctr(c)["env"]}
+    mounted = _mount_secrets(pod(c), [secret], tmp_path)
+    token_file = _local([arg(c, "--node-token-file")], mounted)[0]
+    assert Path(token_file).read_text() == "t" * 64
+    drain = ctr(c)["lifecycle"]["preStop"]["exec"]["command"]
+    assert drain[drain.index("--node-token-file") + 1] == arg(c, "--node-token-file")
     assert c[("ConfigMap", "kv-config")]["data"]["node-token-secret"] == "kv-node-token"
-    assert ("--node-token-file" in ctr(c)["args"]) is False  # the node reads the variable
 
 
-def test_the_rendered_node_env_and_prestop_hook_drain_a_real_node(etcd_server, monkeypatch, tmp_path):
-    """The pod as rendered, run for real: a node given the Secret's token through the rendered
-    environment and the rendered TLS Secret's files (so its admin port serves HTTPS) refuses a
-    drain without the token, and the rendered preStop command (same environment and files, the
-    node's address) drains it."""
-    import base64
-    import os
+def test_the_rendered_node_and_prestop_hook_drain_a_real_node(etcd_server, tmp_path):
+    """The pod as rendered, run for real: a node given the rendered Secrets' volumes (the TLS
+    Secret, so its admin port serves HTTPS, and the node token) refuses a drain without the
+    token, and the rendered preStop command (same files, the node's address) drains it."""
     import subprocess
     import sys
 
@@ -292,27 +317,23 @@ def test_the_rendered_node_env_and_prestop_hook_drain_a_real_node(etcd_server, m
     from kvring.local.cluster import NodeProcess
     from kvring.operator.render import render_node_token_secret, render_tls_secret
 
-    container = ctr(children(spec_of()))
-    env = _secret_env(container, [render_node_token_secret("kv", "ns", "s" * 48)])
-    mounted = tmp_path / "tls"  # the Secret's volume, as the kubelet writes it
-    mounted.mkdir()
-    for key, value in render_tls_secret("kv", "ns", credentials_pem("ns/kv"))["data"].items():
-        (mounted / key).write_bytes(base64.b64decode(value))
-    for var, value in env.items():
-        monkeypatch.setenv(var, value)  # NodeProcess passes this process's environment on to the node
-    node_args = container["args"]
-    node = NodeProcess("prestop-0", 16 << 20, etcd_server.endpoint, "render-prestop",
-                       extra=["--tls-dir", str(mounted)] if "--tls-dir" in node_args else []).start()
-    monkeypatch.delenv("KVRING_NODE_TOKEN")
+    c = children(spec_of())
+    container = ctr(c)
+    mounted = _mount_secrets(pod(c), [render_node_token_secret("kv", "ns", "s" * 48),
+                                      render_tls_secret("kv", "ns", credentials_pem("ns/kv"))], tmp_path)
+    node_args = _local(container["args"], mounted)
+    files = [a for flag in ("--tls-dir", "--node-token-file") for a in node_args[node_args.index(flag):][:2]]
+    node = NodeProcess("prestop-0", 16 << 20, etcd_server.endpoint, "render-prestop", extra=files).start()
     try:
         assert node.admin_addr.startswith("https://")
-        command = [sys.executable, *container["lifecycle"]["preStop"]["exec"]["command"][1:]]
+        command = [sys.executable, *_local(container["lifecycle"]["preStop"]["exec"]["command"], mounted)[1:]]
         command[command.index("--admin") + 1] = node.admin_addr
-        command[command.index("--tls-dir") + 1] = str(mounted)
         command[command.index("--wait") + 1] = "20"
-        refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        without = command[:command.index("--node-token-file")] + command[command.index("--node-token-file") + 2:]
+        refused = subprocess.run(without, capture_output=True, text=True, timeout=60,
+                                 env={k: v for k, v in os.environ.items() if k != "KVRING_NODE_TOKEN"})
         assert refused.returncode == 1 and "HTTP 401" in refused.stderr
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"{node.admin_addr} drained" in done.stdout
     finally:
@@ -372,12 +393,13 @@ def test_statefulset_runs_stable_secure_nodes():
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin", "scheme": "HTTPS"}
     assert container["lifecycle"]["preStop"]["exec"]["command"] == [
         "python", "-P", "-m", "kvring.cli", "drain", "--admin", "https://127.0.0.1:8080",
-        "--tls-dir", "/etc/kvring/tls", "--wait", "60"]
+        "--tls-dir", "/etc/kvring/tls", "--node-token-file", "/etc/kvring/node-token/token", "--wait", "60"]
     assert s["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
     plain = ctr(children(spec_of(drainTimeoutSeconds=60, tls=False)))
     assert plain["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "admin", "scheme": "HTTP"}
     assert plain["lifecycle"]["preStop"]["exec"]["command"] == [
-        "python", "-P", "-m", "kvring.cli", "drain", "--admin", "http://127.0.0.1:8080", "--wait", "60"]
+        "python", "-P", "-m", "kvring.cli", "drain", "--admin", "http://127.0.0.1:8080",
+        "--node-token-file", "/etc/kvring/node-token/token", "--wait", "60"]
     assert p["terminationGracePeriodSeconds"] >= 60 + 30
     assert p["securityContext"]["runAsNonRoot"] is True
     assert p["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}

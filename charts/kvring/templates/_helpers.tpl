@@ -77,10 +77,11 @@ capabilities:
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, list, watch, create, patch, update, delete]
-# Each CacheCluster's data-plane credentials (<name>-tls): created once, never rewritten.
+# Each CacheCluster's credentials (<name>-tls, <name>-node-token): created once, changed only in
+# the steps of a rotation, which keeps the new set in <name>-tls-rotation until it ends.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [get, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, update, delete]
