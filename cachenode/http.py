@@ -31,8 +31,10 @@ loopback included; see "Node token" below):
   (``dispatch.MISNUMBERINGS``), as from a node with a numbering bug.
 
 Node token: one per cluster, an internal service credential that only the nodes, their preStop
-hook, the admin API and local tools hold (not the admin API's user-facing token).  A node reads
-it once at start (``NodeConfig.node_token``: ``--node-token-file`` or ``KVRING_NODE_TOKEN``).
+hook, the admin API and local tools hold (not the admin API's user-facing token).  A node takes
+it from ``--node-token-file``, read again as the file changes, each of its lines accepted (so a
+token changes in steps without a restart), or from ``KVRING_NODE_TOKEN`` once at start
+(``NodeConfig.node_token``, ``common.nodetoken``).
 Without one configured the guarded endpoints answer 403 saying how to configure it (never open
 by default); a request without the token or with another one gets 401 and changes nothing.
 Tokens are compared in constant time.  Every refusal is one line of JSON ``{"error": ...}``.

@@ -331,10 +331,9 @@ class CacheNode:
             "pid": os.getpid(),
         }
 
-
     def _credentials_stats(self) -> dict:
         """What the node has loaded of its credentials, so that a rotation can tell when every
-        node has taken a step: the TLS set's fingerprints and the number of node tokens."""
+        node has taken a step: the TLS set's fingerprints and those of the node tokens."""
         tls, token = self.config.tls, self.config.node_token
         return {
             "tls": None if tls is None or tls.loaded is None else {

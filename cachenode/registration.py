@@ -26,8 +26,8 @@ import threading
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, MembershipError, NodeIdTaken
 from kvring.common.records import NodeRecord, RepairReport
-from kvring.common.types import NodeState
 from kvring.common.tls import ContextSource
+from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd
 from kvring.membership.registrar import Registrar
 from kvring.membership.settings import EtcdSettings

@@ -9,7 +9,8 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
   keeps its last good objects; so does a changed ``spec.disk``, which a StatefulSet cannot take,
   for the StatefulSet alone); plan replicas (a scale-in keeps the StatefulSet's size and asks
   the leaving nodes to drain); create the Secrets made once per cluster if they are missing
-  (``<name>-tls`` when TLS is on, ``<name>-node-token``), never rewriting them; render, adopt and
+  (``<name>-tls`` when TLS is on, ``<name>-node-token``), never rewriting them (a rotation, which
+  the status pass drives, changes them in steps: ``rotation.py``); render, adopt and
   create-or-patch every other child; delete the optional children it made that the spec no
   longer wants (NetworkPolicies turned off, the event stream turned off).
 - ``observe`` (timer): once ``reconcile`` is done with the current spec, create again any child
@@ -132,7 +133,7 @@ class CacheClusterHandlers:
         self._passes: set[asyncio.Future] = set()
         self._stopping = False
         # (namespace, name) -> (the CA of its ``<name>-tls`` Secret, a context verifying it): what
-        # reads the nodes' ``/stats`` over TLS (the Secret is never rewritten, but a cluster made
+        # reads the nodes' ``/stats`` over TLS (a rotation changes the Secret, and a cluster made
         # again under its name has a new one).
         self._node_ca: dict[tuple[str, str], tuple[bytes, ssl.SSLContext]] = {}
 
@@ -276,9 +277,10 @@ class CacheClusterHandlers:
     async def _ensure_secret(self, namespace: str, body: kopf.Body, secret_name: str,
                              make: Callable[[], dict[str, Any]]) -> str:
         """Create the Secret ``secret_name`` from ``make()`` (fresh random content) if it does not
-        exist; never rewrite it.  For ``<name>-tls``, new keys would cut every node off from every
-        client until all had restarted; for ``<name>-node-token``, a new token would lock the admin
-        API and the preStop hooks out of the nodes that started with the old one."""
+        exist; never rewrite it.  For ``<name>-tls``, new keys at once would cut the nodes off from
+        the clients that have not taken them yet; for ``<name>-node-token``, a new token at once
+        would lock the admin API and the preStop hooks out of the nodes that have not.  Only a
+        rotation changes them, in steps each holder takes before the next (``rotator.py``)."""
         assert self.kube is not None
         try:
             if await self.kube.get("v1", "Secret", namespace, secret_name) is not None:

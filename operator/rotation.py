@@ -31,7 +31,7 @@ import binascii
 import json
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,7 +174,7 @@ class RotationView:
     since: float
     waiting_for: tuple[str, ...]  # nodes that have not taken the step yet
 
-    def as_dict(self, iso) -> dict[str, Any]:
+    def as_dict(self, iso: Callable[[float], str]) -> dict[str, Any]:
         return {"request": self.request, "step": self.step.value, "since": iso(self.since),
                 "waitingFor": list(self.waiting_for)}
 

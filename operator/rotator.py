@@ -60,7 +60,8 @@ class Rotator:
                           message=f"the rotation {current.request!r} is held at step {current.step.value}: its "
                                   f"Secret {rotation_secret(name)} is missing or unreadable, and with it the new "
                                   "set; put it back, or remove the annotation "
-                                  f"{rot.ROTATION_ANNOTATION} to give the rotation up where it stands")
+                                  f"{rot.ROTATION_ANNOTATION} to start the rotation over from the Secrets as "
+                                  "they stand")
                 return rot.RotationView(current.request, current.step, current.since, tuple(sorted(members or ())))
             await self._write(name, namespace, sets, current.step)
             if members is None:

@@ -40,7 +40,7 @@ class Kubelet:
         self._seen: dict[str, dict] = {}
         self._stop = threading.Event()
         self.errors: list[str] = []
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread: threading.Thread | None = None
 
     def sync(self) -> bool:
         """One round; True once every Secret has been written at least once."""
@@ -61,11 +61,14 @@ class Kubelet:
                 self.errors.append(repr(exc))
 
     def __enter__(self) -> Kubelet:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        assert self._thread is not None
         self._thread.join(5)
 
 
@@ -163,3 +166,59 @@ def test_a_rotation_the_operator_drives_refuses_nothing_and_leaves_the_new_set_a
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_a_rotation_survives_an_operator_restart_and_a_lost_secret_starts_it_over(kube, etcd_server, tmp_path):
+    """Held at its first step (rotationStepSeconds: one hour), a rotation outlives an operator
+    restart unchanged; its Secret deleted, the operator changes nothing and says so; its record
+    removed, it starts over from the Secrets as they stand, and ends with that last set alone."""
+    api = kube.api
+    cluster = f"{NS}.again"
+    tls_dir, token_dir = tmp_path / "tls", tmp_path / "node-token"
+    node = NodeProcess("again-0", 64 * MiB, etcd_server.endpoint, cluster, lease_ttl=3,
+                       extra=["--tls-dir", str(tls_dir), "--node-token-file", str(token_dir / "token")])
+    kubelet = Kubelet(api, {"again-tls": tls_dir, "again-node-token": token_dir})
+
+    def record() -> dict:
+        return json.loads(api.get(cc_path("again"))["metadata"].get("annotations", {}).get(ROTATION_ANNOTATION, "{}"))
+
+    def rotating() -> dict:
+        return api.get(cc_path("again"))["status"].get("credentialsRotation") or {}
+
+    try:
+        with operator():
+            api.create(cc_path(), cachecluster("again", replicas=1, rotationStepSeconds=3600,
+                                               etcd={"endpoints": [etcd_server.endpoint]}))
+            wait_for(kubelet.sync, what="the Secrets the operator makes")
+            first_ca = ClusterCredentials.at(tls_dir).loaded.trusted
+            with kubelet:
+                node.start()
+                set_ready(api, "again", 1)
+                api.patch(cc_path("again"), {"metadata": {"annotations": {ROTATE_ANNOTATION: "one"}}})
+                wait_for(lambda: rotating().get("step") == "trust" and rotating().get("waitingFor") == [], 20,
+                         "the node to take the first step")
+        held = record()
+        kept = api.get(path("v1", "secrets", "again-tls-rotation"))["data"]
+        with operator(), kubelet:  # a new operator process: the rotation stands where it was
+            time.sleep(2)
+            assert record() == held and rotating()["step"] == "trust"
+            assert api.get(path("v1", "secrets", "again-tls-rotation"))["data"] == kept
+            api.delete(path("v1", "secrets", "again-tls-rotation"))
+            wait_for(lambda: any("is missing or unreadable" in e.get("message", "") for e in events_for(api, "again")),
+                     10, "the warning that the rotation is held")
+            assert record() == held and (tls_dir / "ca.crt").read_bytes().count(b"BEGIN CERTIFICATE") == 2
+            # Start over: the record removed, the request (still not carried out) starts a new
+            # rotation from the Secrets as they stand; a short step now takes it to its end.
+            api.patch(cc_path("again"), {"metadata": {"annotations": {ROTATION_ANNOTATION: None}},
+                                         "spec": {"rotationStepSeconds": 0}})
+            wait_for(lambda: (o := api.get(cc_path("again")))["metadata"].get("annotations", {})
+                     .get(ROTATED_ANNOTATION) == "one" and "credentialsRotation" not in o["status"], 30,
+                     "the rotation started over to end")
+            wait_for(lambda: tuple(json.loads(urllib.request.urlopen(
+                f"{node.admin_addr}/stats", timeout=5, context=ClusterCredentials.at(tls_dir).client_context()
+            ).read())["credentials"]["tls"]["trusted"]) == ClusterCredentials.at(tls_dir).loaded.trusted, 10,
+                     "the node to trust the last CA alone")
+            last_ca = ClusterCredentials.at(tls_dir).loaded.trusted
+            assert len(last_ca) == 1 and last_ca[0] not in first_ca  # neither the first CA nor the lost one
+    finally:
+        node.stop()
