@@ -20,7 +20,7 @@ creates or patches children, and etcd is reached only through ``kvring.membershi
   ``/stats``;
   finish a scale-in once its nodes are drained or its timeout passed; with a disk tier, step
   the rolling update on (``rollout``: restart markers in etcd, the StatefulSet's partition);
-  write ``status``.
+  start or carry on a credentials rotation (``rotator``); write ``status``.
 - ``cleanup`` (deletion, behind the operator's finalizer): delete the cluster's keys from etcd.
   Children go by owner-reference garbage collection.
 

@@ -40,7 +40,8 @@ from kvring.common.records import PoolEventsRecord
 from kvring.common.types import NodeState
 
 CONDITION_TYPES = ("Ready", "Degraded", "Rebalancing", "ConfigMismatch", "Progressing")
-OPTIONAL_FIELDS = ("poolEvents", "credentialsRotation")  # status fields ``build_status`` leaves out when there is nothing to say
+# Status fields ``build_status`` leaves out when there is nothing to say.
+OPTIONAL_FIELDS = ("poolEvents", "credentialsRotation")
 MOVING_STATES = frozenset({NodeState.JOINING, NodeState.DRAINING, NodeState.DRAINED})
 
 

@@ -58,8 +58,11 @@ def _fingerprints(files: dict[str, bytes], tmp_path) -> tuple[str, tuple[str, ..
 
 def _nodes_loaded(cluster, files, tmp_path) -> None:
     cert, trusted = _fingerprints(files, tmp_path)
-    wait_for(lambda: all((s := _stats(cluster, n)["credentials"]["tls"])["cert"] == cert and tuple(s["trusted"]) == trusted
-                         for n in cluster.nodes), 15, "every node to load the new set")
+    def loaded(node) -> bool:
+        tls = _stats(cluster, node)["credentials"]["tls"]
+        return tls["cert"] == cert and tuple(tls["trusted"]) == trusted
+
+    wait_for(lambda: all(loaded(n) for n in cluster.nodes), 15, "every node to load the new set")
 
 
 def _payload(seed: int, size: int = 256 << 10) -> bytes:
@@ -153,7 +156,8 @@ def test_a_set_that_does_not_load_is_not_taken_and_the_nodes_keep_serving(cluste
     before = {n.node_id: _stats(cluster, n)["credentials"]["tls"] for n in cluster.nodes}
     bad_sets = {
         "cannot load": {**good, KEY_FILE: credentials_pem("other")[KEY_FILE]},  # a key that is not the certificate's
-        "CA certificates": {**good, CA_FILE: b"-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n"},
+        "CA certificates": {**good,  # a CA file whose one "certificate" is not one
+                            CA_FILE: b"-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n"},
         "lacks tls.key": {CA_FILE: good[CA_FILE], CERT_FILE: good[CERT_FILE]},  # a key missing from the volume
     }
     try:
@@ -216,8 +220,8 @@ def test_node_tokens_change_in_three_steps_and_the_admin_api_follows(cluster):
             assert httpx.get(owners, timeout=5).status_code == 200
     finally:
         file.write_text(old + "\n")
-    wait_for(lambda: all(t["reload_error"] is None and t["accepted"] == [token_fingerprint(old)] for t in _tokens(cluster)),
-             15,
+    wait_for(lambda: all(t["reload_error"] is None and t["accepted"] == [token_fingerprint(old)]
+                         for t in _tokens(cluster)), 15,
              "the nodes to take the first token back")
     assert all(_present(cluster, n, old) == 200 for n in cluster.nodes)
 
