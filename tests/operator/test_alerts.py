@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -25,6 +27,7 @@ from kvring.cachenode.metrics import NodeMetrics
 from kvring.cachenode.policy import make_policy
 from kvring.cachenode.repair import RepairProgress
 from kvring.cachenode.store import ChunkStore
+from kvring.common.tls import generate
 from kvring.common.types import NodeState
 from kvring.connector.stats import BY_REASON, COUNTERS
 from kvring.operator.metrics import OperatorMetrics
@@ -35,7 +38,8 @@ UNIT_TESTS = Path(__file__).with_name("alerts_test.yaml")
 # The alerts the chart promises (README "Monitoring"): a test below fails if one goes missing.
 ALERTS = {"KVRingNodeUnhealthy", "KVRingNodeOutOfRing", "KVRingNodeUnreachable", "KVRingCacheClusterDegraded",
           "KVRingRepairNotSettling", "KVRingHitRateCollapsed", "KVRingEvictionsOutpacingPuts",
-          "KVRingLookupsPastDeadline", "KVRingTLSRefusals", "KVRingChildrenKeptChanging", "KVRingDiskCorrupt"}
+          "KVRingLookupsPastDeadline", "KVRingTLSRefusals", "KVRingChildrenKeptChanging", "KVRingDiskCorrupt",
+          "KVRingCertificateExpiresSoon", "KVRingCredentialsReloadFailing"}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +143,8 @@ def kvring_series() -> set[str]:
     node.watch_repair(RepairProgress())
     node.watch_disk(DiskTier(DiskConfig("unused", 16 << 20), DiskIdentity("c", "n", "{}"), take=bytearray),
                     rewritten=lambda: 0)
+    with tempfile.TemporaryDirectory() as tls_dir:  # a TLS node's gauges, read from real credentials
+        node.watch_credentials(generate(tls_dir, "c"), SimpleNamespace(tls_closed=0))
     connector = {f"vllm:kvring_{n}_total" for n in (*COUNTERS, *BY_REASON)}
     return _exported(node.registry) | _exported(AdminMetrics().registry) | _exported(OperatorMetrics().registry) | connector
 
