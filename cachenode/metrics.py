@@ -76,7 +76,7 @@ class NodeMetrics:
         r = self.registry
         for name, doc, read in (
             ("kvring_node_tls_cert_expiry_timestamp_seconds", "When the certificate the node shows expires "
-             "(Unix seconds)", lambda: tls.loaded.not_after if tls.loaded else 0),
+             "(Unix seconds)", lambda: tls.loaded.not_after),
             ("kvring_node_tls_reloads_total", "New TLS credentials taken from the mounted files without a restart",
              lambda: tls.reloads),
             ("kvring_node_tls_reload_failing", "1 while the credentials' files in place do not load (the last good "

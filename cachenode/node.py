@@ -37,9 +37,10 @@ import msgspec
 from kvring.common import protocol as P
 from kvring.common.contract import Contract
 from kvring.common.errors import ContractMismatch, NodeIdTaken
+from kvring.common.follow import RELOAD_CHECK
 from kvring.common.nodetoken import NodeToken
 from kvring.common.records import NodeRecord
-from kvring.common.tls import RELOAD_CHECK, ClusterCredentials, CredentialsError, LoadedSet
+from kvring.common.tls import ClusterCredentials, CredentialsError, LoadedSet
 from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.events.publisher import PublisherSettings
 from kvring.membership.settings import EtcdSettings
@@ -336,7 +337,7 @@ class CacheNode:
         node has taken a step: the TLS set's fingerprints and those of the node tokens."""
         tls, token = self.config.tls, self.config.node_token
         return {
-            "tls": None if tls is None or tls.loaded is None else {
+            "tls": None if tls is None else {
                 **tls.loaded.as_dict(), "reloads": tls.reloads, "reload_error": tls.reload_error},
             "node_token": None if token is None else {
                 "accepted": token.fingerprints, "reloads": token.reloads, "reload_error": token.reload_error},

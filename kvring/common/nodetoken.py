@@ -17,14 +17,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import threading
-import time
 from pathlib import Path
+
+from .follow import RELOAD_CHECK, Followed, stamp
 
 logger = logging.getLogger(__name__)
 
 MIN_NODE_TOKEN_CHARS = 32
-RELOAD_CHECK = 1.0  # seconds between two looks at the token file
 
 
 class NodeTokenError(ValueError):
@@ -39,9 +38,13 @@ def check_token(token: str) -> None:
                              "`openssl rand -hex 32`")
 
 
-class NodeToken:
-    """The node tokens of a process (thread-safe): ``presented()`` for a client, ``accepts`` for a
-    node.  Build one with ``fixed`` or ``from_file``."""
+class NodeToken(Followed):
+    """The node tokens of a process (thread-safe; a file followed as it changes, ``common.follow``):
+    ``presented()`` for a client, ``accepts`` for a node.  Build one with ``fixed`` or
+    ``from_file``."""
+
+    refusal = NodeTokenError
+    kept = "keeping the node tokens read before"
 
     def __init__(self, tokens: tuple[str, ...], file: Path | None = None, *,
                  check_interval: float = RELOAD_CHECK) -> None:
@@ -49,14 +52,10 @@ class NodeToken:
             raise NodeTokenError("no node token given")
         for token in tokens:
             check_token(token)
+        super().__init__(check_interval)
         self.file = file
-        self.check_interval = check_interval
-        self.reloads = 0
-        self.reload_error: str | None = None
         self._tokens = tokens
-        self._stamp = self._look() if file is not None else None
-        self._checked = time.monotonic()
-        self._lock = threading.Lock()
+        self._stamp = stamp((file,)) if file is not None else None
 
     def __repr__(self) -> str:  # never the tokens themselves
         return f"NodeToken(file={str(self.file) if self.file else None!r}, tokens={len(self._tokens)})"
@@ -89,50 +88,24 @@ class NodeToken:
             ok |= hmac.compare_digest(given.encode(), token.encode())
         return ok
 
-    def refresh(self) -> bool:
-        """Look at the file now; True if new tokens were taken."""
-        with self._lock:
-            return self._refresh_locked()
-
     def _current(self) -> tuple[str, ...]:
-        if (self.file is not None and time.monotonic() - self._checked >= self.check_interval
-                and self._lock.acquire(blocking=False)):
-            try:
-                self._refresh_locked()
-            finally:
-                self._lock.release()
+        if self.file is not None:
+            self._look_if_due()
         return self._tokens
 
-    def _refresh_locked(self) -> bool:
-        self._checked = time.monotonic()
+    def _reload(self) -> bool:
         if self.file is None:
             return False
-        stamp = self._look()
-        if stamp == self._stamp:
+        now = stamp((self.file,))
+        if now == self._stamp:
             return False
-        try:
-            tokens = _read(self.file)
-        except NodeTokenError as exc:
-            if str(exc) != self.reload_error:
-                logger.warning("keeping the node tokens read before: %s", exc)
-            self.reload_error = str(exc)
-            return False
-        self._stamp = stamp
-        self.reload_error = None
+        tokens = _read(self.file)
+        self._stamp = now
         if tokens == self._tokens:
             return False
         self._tokens = tokens
-        self.reloads += 1
         logger.info("node token file %s reloaded: %d token(s) accepted", self.file, len(tokens))
         return True
-
-    def _look(self) -> tuple | None:
-        assert self.file is not None
-        try:
-            st = self.file.stat()  # through symlinks: Kubernetes swaps a Secret volume's link
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def token_fingerprint(token: str) -> str:

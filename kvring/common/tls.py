@@ -17,9 +17,9 @@ metrics) and required, beside the node token, for the guarded ones.
 each local cluster and the operator for each CacheCluster.  TLS 1.3 only; no session tickets
 (a client's idle connection must stay silent until it asks something).
 
-Credentials follow their directory: each context a ``ClusterCredentials`` hands out is built from
-the files as they are (looked at again at most every ``RELOAD_CHECK`` seconds, whenever a
-connection is made), so a Secret that Kubernetes updates in its volume, or files replaced in
+Credentials follow their directory (``common.follow``): each context a ``ClusterCredentials``
+hands out is built from the files as they are (looked at again at most every ``RELOAD_CHECK``
+seconds, whenever a connection is made), so a Secret that Kubernetes updates in its volume, or files replaced in
 place, take effect on the next connection without a restart.  A set that does not load (a key
 that is not the certificate's, a half-written file) is not taken: the last good one stays, and
 ``reload_error`` says why.  ``ca.crt`` may hold several CAs, all of them trusted; a rotation to a
@@ -37,11 +37,12 @@ import logging
 import os
 import re
 import ssl
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .follow import RELOAD_CHECK, Followed, stamp
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ class CredentialsError(ValueError):
 
 # The TLS context to use for the next connection, whatever the credentials are by then.
 ContextSource = Callable[[], ssl.SSLContext]
-RELOAD_CHECK = 1.0  # seconds between two looks at the credentials' files
 _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
 
 
@@ -86,37 +86,30 @@ class LoadedSet:
                 "loaded_at": self.loaded_at}
 
 
-class ClusterCredentials:
+class ClusterCredentials(Followed):
     """A directory holding ``ca.crt``, ``tls.crt`` and ``tls.key``, and the contexts built from
-    what it holds now (thread-safe).  ``on_reload(fn)`` has ``fn(before, after)`` called, on the
-    thread that noticed, each time a new set is taken."""
+    what it holds now, followed as it changes (``common.follow``).  ``on_reload(fn)`` has
+    ``fn(before, after)`` called, on the thread that noticed, each time a new set is taken."""
+
+    refusal = CredentialsError
+    kept = "keeping the loaded cluster credentials"
 
     def __init__(self, directory: str | os.PathLike, *, check_interval: float = RELOAD_CHECK) -> None:
+        """The credentials in ``directory``, loaded; ``CredentialsError`` naming what is missing
+        or does not load."""
+        super().__init__(check_interval)
         self.directory = Path(directory)
-        self.check_interval = check_interval
-        self.reloads = 0  # sets taken after the first
-        self.reload_error: str | None = None  # why the files now in the directory are not loaded
-        self._lock = threading.Lock()
         self._listeners: list[Callable[[LoadedSet, LoadedSet], None]] = []
-        self._stamp: tuple = ()
-        self._checked = 0.0
-        self._digest = b""
-        self._contexts: dict[Role, ssl.SSLContext] = {}
-        self.loaded: LoadedSet | None = None
+        self._stamp = self._present()
+        self._contexts, self._digest, self.loaded = self._load()
 
     def __repr__(self) -> str:
         return f"ClusterCredentials({str(self.directory)!r})"
 
     @classmethod
     def at(cls, directory: str | os.PathLike, *, check_interval: float = RELOAD_CHECK) -> ClusterCredentials:
-        """The credentials in ``directory``, loaded; ``CredentialsError`` naming what is missing
-        or does not load."""
-        creds = cls(directory, check_interval=check_interval)
-        creds._stamp = creds._look()
-        contexts, digest, loaded = creds._load()
-        creds._contexts, creds._digest, creds.loaded = contexts, digest, loaded
-        creds._checked = time.monotonic()
-        return creds
+        """The credentials in ``directory``, loaded (as the constructor)."""
+        return cls(directory, check_interval=check_interval)
 
     @property
     def ca(self) -> Path:
@@ -147,70 +140,38 @@ class ClusterCredentials:
     def on_reload(self, fn: Callable[[LoadedSet, LoadedSet], None]) -> None:
         self._listeners.append(fn)
 
-    def refresh(self) -> bool:
-        """Look at the files now; True if a new set was taken."""
-        with self._lock:
-            return self._refresh_locked()
-
     def _current(self, role: Role) -> ssl.SSLContext:
-        if time.monotonic() - self._checked >= self.check_interval and self._lock.acquire(blocking=False):
-            try:  # one thread looks; the others go on with what is loaded
-                self._refresh_locked()
-            finally:
-                self._lock.release()
+        self._look_if_due()
         return self._contexts[role]
 
-    def _refresh_locked(self) -> bool:
-        self._checked = time.monotonic()
-        try:
-            stamp = self._look()
-        except CredentialsError as exc:
-            self._refused(str(exc))
+    def _reload(self) -> bool:
+        now = self._present()
+        if now == self._stamp:
             return False
-        if stamp == self._stamp:
-            return False
-        try:
-            contexts, digest, loaded = self._load()
-        except CredentialsError as exc:
-            self._refused(str(exc))
-            return False
-        self._stamp = stamp
-        self.reload_error = None
+        contexts, digest, loaded = self._load()
+        self._stamp = now
         if digest == self._digest:  # touched, or back to the set in use
             return False
         before = self.loaded
         self._contexts, self._digest, self.loaded = contexts, digest, loaded
-        if before is None:  # the first set (built without ``at``)
-            return True
-        self.reloads += 1
         logger.info("cluster credentials in %s reloaded: certificate %s, trusting %s", self.directory,
                     loaded.cert, ", ".join(loaded.trusted))
         for fn in self._listeners:
             fn(before, loaded)
         return True
 
-    def _refused(self, why: str) -> None:
-        if why != self.reload_error:
-            logger.warning("keeping the loaded cluster credentials: %s", why)
-        self.reload_error = why
-
-    def _look(self) -> tuple:
-        """The files' identities (through symlinks: Kubernetes swaps a Secret volume's link)."""
+    def _present(self) -> tuple:
+        """The three files' stamps; ``CredentialsError`` naming those missing."""
         if not self.directory.is_dir():
             raise CredentialsError(f"TLS directory {self.directory} does not exist (it needs ca.crt, tls.crt and "
                                    "tls.key; `kvring up` makes them, or mount the cluster's Secret)")
-        stamp, missing = [], []
-        for path in (self.ca, self.cert, self.key):
-            try:
-                st = path.stat()
-            except OSError:
-                missing.append(path.name)
-                continue
-            stamp.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+        paths = (self.ca, self.cert, self.key)
+        now = stamp(paths)
+        missing = [path.name for path, st in zip(paths, now) if st is None]
         if missing:
             raise CredentialsError(f"TLS directory {self.directory} lacks {', '.join(missing)} (it needs ca.crt, "
                                    "tls.crt and tls.key; `kvring up` makes them, or mount the cluster's Secret)")
-        return tuple(stamp)
+        return now
 
     def _read(self) -> tuple[bytes, bytes, bytes]:
         try:
