@@ -109,8 +109,8 @@ class Rotator:
                                "annotations": {rot.ROTATION_ANNOTATION: request}},
                   "type": "Opaque", "data": sets.to_secret_data()}
         kopf.adopt(secret, owner=body)
-        if await self.kube.get("v1", "Secret", namespace, rotation_secret(name)) is not None:
-            await self.kube.delete_owned("v1", "Secret", namespace, rotation_secret(name), body.metadata.uid)
+        # One of another request's (given up) goes first.
+        await self.kube.delete_owned("v1", "Secret", namespace, rotation_secret(name), body.metadata.uid)
         await self.kube.create(secret)
         return sets
 

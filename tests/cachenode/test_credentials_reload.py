@@ -8,7 +8,6 @@ closed."""
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.error
 import urllib.request
 
@@ -44,15 +43,17 @@ def _stats(cluster, node) -> dict:
         return json.loads(r.read())
 
 
+def _held(files: dict[str, bytes], directory) -> ClusterCredentials:
+    """A client's copy of ``files`` in ``directory``."""
+    directory.mkdir(exist_ok=True)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return ClusterCredentials.at(directory)
+
+
 def _fingerprints(files: dict[str, bytes], tmp_path) -> tuple[str, tuple[str, ...]]:
     """The certificate's and the CAs' fingerprints of ``files``, as a process that loaded them reports."""
-    where = tmp_path / "fingerprints"
-    shutil.rmtree(where, ignore_errors=True)
-    where.mkdir()
-    for name, data in files.items():
-        (where / name).write_bytes(data)
-    loaded = ClusterCredentials.at(where).loaded
-    assert loaded is not None
+    loaded = _held(files, tmp_path / "fingerprints").loaded
     return loaded.cert, loaded.trusted
 
 
@@ -135,14 +136,6 @@ def test_a_ca_rotated_in_three_steps_refuses_nothing_and_then_shuts_the_old_ca_o
     finally:
         stale.close()
         lasting.close()
-
-
-def _held(files: dict[str, bytes], directory) -> ClusterCredentials:
-    """A client's copy of ``files`` in ``directory``."""
-    directory.mkdir(exist_ok=True)
-    for name, data in files.items():
-        (directory / name).write_bytes(data)
-    return ClusterCredentials.at(directory)
 
 
 def _reload_errors(cluster) -> list[str]:
