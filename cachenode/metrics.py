@@ -104,6 +104,8 @@ class NodeMetrics:
             ("full", "full", "Writes that found the filesystem full (ENOSPC): the chunk stays in memory only"),
             ("write_skipped", "write_skipped", "Chunks not written because the write queue was full"),
             ("evicted", "evicted", "Chunks evicted from disk past its budget"),
+            ("carried", "carried", "Chunks read from disk since they were written, carried to the newest segment "
+                                   "as theirs was evicted (second-chance eviction)"),
             ("scrubbed_bytes", "scrubbed_bytes", "Bytes of chunks the scrub read again and checked"),
             ("scrub_passes", "scrub_passes", "Passes of the scrub over every chunk on disk"),
         ):

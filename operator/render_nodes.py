@@ -93,11 +93,12 @@ def node_args(name: str, namespace: str, spec: ClusterSpec) -> list[str]:
 
 
 def _disk_args(disk: DiskSpec) -> list[str]:
-    """The node's disk-tier flags; a scrub setting the spec leaves out is the node's default."""
+    """The node's disk-tier flags; a scrub or eviction setting the spec leaves out is the node's default."""
     return ["--disk-dir", f"{DISK_MOUNT}/disk", "--disk-capacity", str(disk.capacity),
             *(("--disk-scrub-rate", str(disk.scrub_rate)) if disk.scrub_rate is not None else ()),
             *(("--disk-scrub-interval", str(disk.scrub_interval_seconds))
-              if disk.scrub_interval_seconds is not None else ())]
+              if disk.scrub_interval_seconds is not None else ()),
+            *(("--disk-eviction", disk.eviction) if disk.eviction is not None else ())]
 
 
 def node_env(name: str) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ MAX_NAME_LENGTH = 40  # pods are <name>-<ordinal> behind <name>-nodes; etcd peer
 CHUNK_SIZES = tuple(2**i for i in range(4, 13))  # 16 .. 4096
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 EVICTION_POLICIES = ("lru", "fifo")
+DISK_EVICTIONS = ("second-chance", "fifo")  # the node's --disk-eviction (``cachenode.disk.tier.Eviction``)
 ETCD_MEMBERS = (1, 3)
 DEFAULT_IMAGE = "kvring:0.1.0"
 DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
@@ -111,6 +112,7 @@ class DiskSpec:
     storage_class: str | None = None
     scrub_rate: int | None = None  # --disk-scrub-rate in bytes a second (0: off); None: the node's default
     scrub_interval_seconds: int | None = None  # --disk-scrub-interval; None: the node's default
+    eviction: str | None = None  # --disk-eviction; None: the node's default (second-chance)
 
 
 DEFAULT_MONITORING_NAMESPACE = "monitoring"
@@ -402,7 +404,8 @@ class _Reader:
         disk = self._section(disk, where, "{size: 100Gi}")
         if disk is None:
             return None
-        self._unknown(disk, ("size", "storageClassName", "capacity", "scrubRate", "scrubIntervalSeconds"), where)
+        self._unknown(disk, ("size", "storageClassName", "capacity", "scrubRate", "scrubIntervalSeconds", "eviction"),
+                      where)
         size, size_bytes = disk.get("size"), 0
         if size is None:
             self.problems.append(f"{where}.size is required: each node's volume, e.g. 100Gi")
@@ -435,7 +438,8 @@ class _Reader:
                     if "scrubIntervalSeconds" in disk else None)
         return DiskSpec(size=str(size), size_bytes=size_bytes, capacity=capacity,
                         storage_class=self._str(disk, "storageClassName", None, where), scrub_rate=scrub_rate,
-                        scrub_interval_seconds=interval)
+                        scrub_interval_seconds=interval,
+                        eviction=self._enum(disk, "eviction", None, DISK_EVICTIONS, where) if "eviction" in disk else None)
 
     def _network_policy(self, policy: Any) -> NetworkPolicySpec:
         where = "spec.networkPolicy"

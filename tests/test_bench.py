@@ -505,7 +505,8 @@ def test_bench_disk_measures_the_tier_the_restarts_and_the_trace_and_writes_json
     proc = subprocess.run([sys.executable, "-P", "-m", "kvring.cli", "bench", "disk",
                            "--parts", "throughput,rebuild,trace", "--repetitions", "2", "--tier-bytes", "64MiB",
                            "--chunk-bytes", "1MiB", "--max-chunks", "20000", "--restarts", "2", "--limit", "600",
-                           "--trace", str(trace), "--memory", "8MiB", "--json", str(out), "--plot", str(plot)],
+                           "--trace", str(trace), "--memory", "8MiB", "--small-disk", "24MiB", "--json", str(out),
+                           "--plot", str(plot)],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for title in ("disk tier vs the device", "warm restart", "trace replay"):
@@ -522,13 +523,17 @@ def test_bench_disk_measures_the_tier_the_restarts_and_the_trace_and_writes_json
         assert len(row["runs"]) == 2 and all(run["chunks"] == row["chunks"] for run in row["runs"])
         assert 0 < row["rebuild_s"]["median"] and row["ready_s"]["median"] <= row["first_hit_s"]["median"]
     tr = r["trace"]
-    memory, disk = tr["systems"]["memory only"], tr["systems"]["memory + disk"]
+    memory, disk = tr["systems"]["memory only"], tr["systems"]["large disk"]
+    fifo, second = tr["systems"]["small disk, fifo"], tr["systems"]["small disk, second chance"]
     assert tr["requests"] == 600 and memory["memory_capacity_blocks"] == disk["memory_capacity_blocks"]
     assert memory["disk_chunks"] == 0 and disk["disk_chunks"] > 0 and disk["disk_reads"] > 0
     assert disk["hit_rate"] > memory["hit_rate"]  # memory alone misses what the disk keeps
     assert disk["hit_rate"] <= tr["compulsory_bound_hit_rate"]
-    for x in (memory, disk):
-        assert x["get_lost"] == x["get_corrupt"] == x["put_failed"] == 0
+    assert (fifo["disk_per_node"], fifo["eviction"], second["eviction"]) == (24 << 20, "fifo", "second-chance")
+    assert fifo["disk_evicted"] > 0 and fifo["disk_carried"] == 0 and second["disk_carried"] > 0
+    assert memory["ideal_lru_hit_rate"] <= fifo["ideal_lru_hit_rate"] <= disk["ideal_lru_hit_rate"]
+    for name, x in tr["systems"].items():
+        assert x["get_lost"] == x["get_corrupt"] == x["put_failed"] == 0, (name, x)
     assert plot.read_bytes()[:4] == b"\x89PNG"
     dirs_after, procs = _bench_disk_leftovers()
     assert dirs_after <= dirs_before and not procs  # nothing left in /tmp or running

@@ -44,6 +44,9 @@ class Segment:
     size: int = 0  # data bytes (the next record's offset)
     journal: int = 0  # journal bytes
     keys: list[bytes] = field(default_factory=list)
+    # Keys served from this segment since it was written (their second chance when it is evicted:
+    # ``DiskTier._carry_forward``); not kept over a restart.
+    read: set[bytes] = field(default_factory=set)
 
 
 @dataclass

@@ -16,9 +16,15 @@ a power loss also loses up to ``JOURNAL_SYNC_SECONDS`` of journal entries.  Half
 and torn journal entries are found and cut at the next start (``index.rebuild``).  A graceful
 stop (``close``) writes the whole queue first.
 
-Space: segments of ``segment_bytes`` are evicted whole, oldest first (FIFO by write time), when
-the next record would take the tier past ``capacity``; a full filesystem (ENOSPC) evicts the
-oldest segment and skips the record, counted as ``full``.
+Space: segments of ``segment_bytes`` are evicted whole, oldest first (by write time), when the
+next record would take the tier past ``capacity``; a full filesystem (ENOSPC) evicts the oldest
+segment and skips the record, counted as ``full``.  With the ``second-chance`` eviction (the
+default), the records of an evicted segment that were read since they were written are first
+copied, file to file in the kernel (``copy_file_range``), to the end of the open segment and
+journaled there (``carried``): a chunk in use outlives the cycling, and goes the next time round
+unless it is read again meanwhile.  An evicted segment carries at most half its bytes (each
+eviction frees at least the other half, so the cycling cannot chase its own tail), and the open
+segment never grows past twice ``segment_bytes`` with them.  ``fifo`` carries nothing.
 
 Reads: ``read`` runs on a pool of ``read_threads`` threads, into a buffer from the node's pool;
 every record is checked (``records.parse_head``, ``records.check_payload``) before it is handed
@@ -49,6 +55,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 
 import msgspec
 
@@ -70,6 +77,15 @@ HEAD_READ = 64 << 10  # bytes read with a record's head (its payload's start com
 CLOSE_TIMEOUT = 30.0  # seconds a graceful stop waits for the queue to be written
 
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)  # copy_file_range cannot here
+_COPY_PIECE = 1 << 20  # bytes a piece where records are copied through the process instead
+
+
+class Eviction(str, Enum):
+    """What an evicted segment does with the records read since they were written (``--disk-eviction``)."""
+
+    SECOND_CHANCE = "second-chance"  # carries them to the open segment (module docstring)
+    FIFO = "fifo"  # lets them go with the rest
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,7 @@ class DiskConfig:
     read_timeout: float = 2.0  # seconds a GET waits for the disk before it answers a miss
     scrub_rate: int = 16 << 20  # bytes a second the scrub reads at most (``scrub.py``); 0: no scrub
     scrub_interval: float = 86400.0  # seconds from the start of one scrub pass to the next, at least
+    eviction: Eviction = Eviction.SECOND_CHANCE
 
     def __post_init__(self) -> None:
         if not self.directory:
@@ -94,6 +111,11 @@ class DiskConfig:
         if self.scrub_rate < 0 or self.scrub_interval < 0:
             raise ValueError("--disk-scrub-rate and --disk-scrub-interval cannot be negative (a rate of 0 turns "
                              "the scrub off)")
+        try:
+            object.__setattr__(self, "eviction", Eviction(self.eviction))  # the command line gives a string
+        except ValueError:
+            raise ValueError(f"--disk-eviction must be one of {', '.join(e.value for e in Eviction)}, not "
+                             f"{self.eviction!r}") from None
 
     @property
     def segment_size(self) -> int:
@@ -166,7 +188,8 @@ class DiskTier:
         self._stall_until = 0.0
         self.counts = dict.fromkeys(("written", "written_bytes", "write_skipped", "too_large", "full",
                                      "write_errors", "reads", "read_bytes", "read_errors", "corrupt", "evicted",
-                                     "evicted_segments", "scrubbed", "scrubbed_bytes", "scrub_passes"), 0)
+                                     "evicted_segments", "carried", "carried_bytes", "carry_errors",
+                                     "scrubbed", "scrubbed_bytes", "scrub_passes"), 0)
         self._scrubber: Scrubber | None = None
 
     # ---- start and stop (the node's main thread) ------------------------------------------------
@@ -349,6 +372,7 @@ class DiskTier:
             "queued_bytes": self._queued_bytes,
             "write_queue": self.config.write_queue,
             "scrub_rate": self.config.scrub_rate,
+            "eviction": self.config.eviction.value,
             "stalled": time.monotonic() < self._stall_until,
             **self.counts,
             "rebuild": self.report.as_dict(),
@@ -359,7 +383,15 @@ class DiskTier:
     def _read(self, key: bytes, location: Location, done: Callable[[ReadResult], None]) -> None:
         self.wait_if_stalled()
         try:
-            meta, buf = self.read_record(key, location)
+            try:
+                meta, buf = self.read_record(key, location)
+            except FileNotFoundError:  # its segment was evicted since: carried forward meanwhile?
+                with self.index.lock:
+                    moved = self.index.entries.get(key)
+                if moved is None or moved.segment == location.segment:
+                    raise
+                location = moved
+                meta, buf = self.read_record(key, location)
         except FileNotFoundError:
             result = ReadResult(missing="gone")  # its segment was evicted since
         except BadRecord as exc:
@@ -372,6 +404,9 @@ class DiskTier:
             with self.index.lock:
                 self.counts["reads"] += 1
                 self.counts["read_bytes"] += meta.nbytes
+                segment = self.index.segments.get(location.segment)
+                if segment is not None and self.index.entries.get(key) is location:
+                    segment.read.add(key)  # its second chance (``_carry_forward``)
             if self.on_gone is not None:
                 meta = self._with_blocks(key, meta, location)
             result = ReadResult(meta, buf)
@@ -527,7 +562,7 @@ class DiskTier:
             if exc.errno in _OUT_OF_SPACE:
                 logger.warning("disk %s is full (%s): a chunk stays in memory only; evicting the oldest segment",
                                self.directory, exc.strerror)
-                self._evict_oldest()
+                self._evict_oldest(carry=False)
             else:
                 logger.warning("disk %s: writing a chunk failed: %s", self.directory, exc)
             return None
@@ -573,15 +608,21 @@ class DiskTier:
             self._evict_oldest()
         self.report.dropped["over_capacity_bytes"] += before - self.index.bytes
 
-    def _evict_oldest(self) -> None:
+    def _evict_oldest(self, carry: bool = True) -> None:
+        """Evict the oldest segment (not the open one), carrying forward what was read from it
+        first (``carry`` and the second-chance eviction; not on a full filesystem)."""
         number = next(iter(self.index.segments))
         if number == self._segment.number:
             return
+        journal: dict[bytes, Stored] | None = None
+        if carry and self.config.eviction is Eviction.SECOND_CHANCE:
+            journal = self._carry_forward(number)
         with self._cond:
             keys = self.index.drop_segment(number)
             self.counts["evicted"] += len(keys)
             self.counts["evicted_segments"] += 1
-        blocks = self._blocks_of(number, keys) if self.on_gone is not None and keys else {}
+        if self.on_gone is not None and keys and journal is None:
+            journal = self._journal_of(number)
         for suffix in (DATA_SUFFIX, JOURNAL_SUFFIX):
             try:
                 os.unlink(os.path.join(self.directory, segment_name(number, suffix)))
@@ -589,18 +630,89 @@ class DiskTier:
                 pass
         if self.on_gone is not None:
             for key in keys:
-                self.on_gone(key, blocks.get(key))
+                stored = journal.get(key)
+                self.on_gone(key, decode_blocks(stored.blocks) if stored is not None else None)
 
-    def _blocks_of(self, number: int, keys: list[bytes]) -> dict[bytes, ChunkBlocks | None]:
-        """The vLLM blocks of ``keys`` as segment ``number``'s journal records them."""
-        wanted = set(keys)
+    def _carry_forward(self, number: int) -> dict[bytes, Stored] | None:
+        """Copy the records of segment ``number`` read since they were written to the end of the
+        open segment and journal them there, within the bounds of the module docstring; the
+        segment's journal entries by key if they were read (None: nothing to carry)."""
+        with self._cond:
+            budget = self._carry_budget(number)
+            segment, entries = self.index.segments[number], self.index.entries
+            chosen = sorted(((key, location) for key in segment.read
+                             if (location := entries.get(key)) is not None and location.segment == number),
+                            key=lambda pair: pair[1].offset)
+        picked, size = [], 0
+        for key, location in chosen:
+            if size + location.length <= budget:
+                picked.append((key, location))
+                size += location.length
+        if not picked:
+            return None
+        journal = self._journal_of(number)
+        self._commit()  # the batch's records so far are durable and journaled before these follow
+        moved: list[tuple[bytes, Location, Location, bytes | None]] = []
+        src = os.open(os.path.join(self.directory, segment_name(number, DATA_SUFFIX)), os.O_RDONLY | os.O_CLOEXEC)
+        start = self._segment.size
+        try:
+            for key, old in picked:
+                stored = journal.get(key)
+                if stored is None or stored.offset != old.offset:  # the journal names it elsewhere: not ours
+                    continue
+                offset = self._segment.size
+                try:
+                    _copy_range(src, self._data_fd, old.offset, offset, old.length)
+                except OSError as exc:
+                    os.ftruncate(self._data_fd, offset)  # no half record left behind
+                    with self._cond:
+                        self.counts["carry_errors"] += 1
+                    logger.warning("disk %s: carrying a read chunk forward failed (%s): the rest of segment %d "
+                                   "goes", self.directory, exc.strerror, number)
+                    break
+                with self._cond:
+                    self._segment.size += old.length
+                    self.index.bytes += old.length
+                moved.append((key, old, Location(self._segment.number, offset, old.length, old.namespace),
+                              stored.blocks))
+        finally:
+            os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(src)
+        if not moved:
+            return journal
+        if self.config.sync:
+            os.fdatasync(self._data_fd)
+        added = []
+        with self._cond:
+            at = self._segment.journal
+            for key, old, new, blocks in moved:
+                if self.index.entries.get(key) is not old:  # deleted (or dropped as bad) while it was copied
+                    continue
+                entry = encode_entry(Stored(key, new.offset, new.length, new.namespace, blocks))
+                self.index.add(key, dataclasses.replace(new, entry=at))
+                added.append(entry)
+                at += len(entry)
+                self.counts["carried"] += 1
+                self.counts["carried_bytes"] += new.length
+        if added:
+            self._append_journal(b"".join(added))
+        if self.config.sync:
+            os.posix_fadvise(self._data_fd, start, 0, os.POSIX_FADV_DONTNEED)
+        return journal
+
+    def _carry_budget(self, number: int) -> int:
+        """Bytes segment ``number`` may carry forward: half its own, and what keeps the open
+        segment within twice the segment size (under the index lock)."""
+        return max(0, min(self.index.segments[number].size // 2, 2 * self.config.segment_size - self._segment.size))
+
+    def _journal_of(self, number: int) -> dict[bytes, Stored]:
+        """Segment ``number``'s ``Stored`` entries by key (the last one of each); {} if unreadable."""
         try:
             with open(os.path.join(self.directory, segment_name(number, JOURNAL_SUFFIX)), "rb") as f:
                 entries, _ = decode_entries(f.read())
         except OSError:
             return {}
-        return {entry.key: decode_blocks(entry.blocks) for _, entry in entries
-                if type(entry) is Stored and entry.key in wanted and entry.blocks is not None}
+        return {entry.key: entry for _, entry in entries if type(entry) is Stored}
 
     def _open_segment(self) -> None:
         number = self._next_number
@@ -630,6 +742,26 @@ class DiskTier:
                     return
             else:
                 time.sleep(min(left, 0.5))
+
+
+def _copy_range(src: int, dst: int, src_offset: int, dst_offset: int, count: int) -> None:
+    """Copy ``count`` bytes of file ``src`` at ``src_offset`` to ``dst`` at ``dst_offset``: in the
+    kernel where the filesystem can (``copy_file_range``), else through the process."""
+    while count:
+        try:
+            n = os.copy_file_range(src, dst, count, src_offset, dst_offset)
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            data = os.pread(src, min(count, _COPY_PIECE), src_offset)
+            if data:
+                _write_all(dst, [data], dst_offset)
+            n = len(data)
+        if n == 0:
+            raise OSError(errno.EIO, "the segment ended inside a record")
+        src_offset += n
+        dst_offset += n
+        count -= n
 
 
 def _write_all(fd: int, parts: list, offset: int) -> None:

@@ -9,7 +9,8 @@ also on Ctrl-C), which is also where the disk directories live:
 2. ``rebuild`` (``disk_restart.py``): index rebuild and spawn-to-READY-to-first-hit of a node
    restarted cold on 10k, 100k and 1M chunks (small ones, so that 1M fits and fills quickly).
 3. ``trace`` (``disk_trace.py``): a trace replay's hit rate with memory only and with memory +
-   disk, at the same memory per node.
+   disk, at the same memory per node: a small disk evicting first in, first out and with second
+   chances, and a large disk.
 4. ``ttft`` (``disk_ttft.py``): the demo's set-up with real vLLM engines: B's time to first token
    when its chunks come from disk (every node restarted), from memory, and recomputed.
 """
@@ -60,6 +61,7 @@ class DiskBenchSettings:
     trace: Path | None = field(default_factory=default_trace)
     trace_limit: int | None = 2000
     trace_memory: int = 16 << 20
+    trace_small_disk: int = 128 << 20  # per node: smaller than the default replay's blocks (eviction matters)
     trace_disk: int = 1 << 30
     trace_block_bytes: int = 64 << 10
     # ttft
@@ -218,11 +220,12 @@ def run_bench_disk(settings: DiskBenchSettings, json_out: Path | None = None, pl
             if "rebuild" in s.parts:
                 results["rebuild"] = _rebuild(etcd.endpoint, tmp, s, bar)
             if "trace" in s.parts:
-                from kvring.bench.disk_trace import replay_both
+                from kvring.bench.disk_trace import replay_all, trace_clusters
 
                 bar.step("trace replays")
-                results["trace"] = replay_both(etcd.endpoint, s.trace, s.trace_limit, s.trace_memory, s.trace_disk,
-                                               s.trace_block_bytes, console)
+                results["trace"] = replay_all(etcd.endpoint, s.trace, s.trace_limit, s.trace_memory,
+                                              trace_clusters(s.trace_small_disk, s.trace_disk), s.trace_block_bytes,
+                                              console)
         finally:
             if etcd is not None:
                 etcd.close()
@@ -280,14 +283,16 @@ def tables(r: dict) -> list[Table]:
         table = Table(title=f"trace replay ({Path(tr['trace']).name}, {tr['requests']:,} requests): hit rate at "
                             f"{format_size(tr['memory_per_node'])} memory per node",
                       caption=f"3 nodes; blocks of {format_size(tr['block_bytes'])}; {tr['distinct_blocks']:,} distinct "
-                              f"of {tr['blocks_requested']:,} blocks requested; disk {format_size(tr['disk_per_node'])} "
-                              f"per node; bound: every repeated block hits = {tr['compulsory_bound_hit_rate']:.3f}")
-        for col in ("cluster", "hit rate", "ideal LRU at memory size", "chunks on disk", "read from disk",
-                    "lost / corrupt reads", "failed puts", "replay"):
+                              f"of {tr['blocks_requested']:,} blocks requested; ideal LRU: one LRU of the cluster's "
+                              f"memory + disk in blocks; bound: every repeated block hits = "
+                              f"{tr['compulsory_bound_hit_rate']:.3f}")
+        for col in ("cluster", "disk per node", "hit rate", "ideal LRU, same size", "chunks on disk", "read from disk",
+                    "carried forward", "lost / corrupt reads", "failed puts", "replay"):
             table.add_column(col, justify="right")
         for name, x in tr["systems"].items():
-            table.add_row(name, f"{x['hit_rate']:.3f}", f"{x['ideal_lru_hit_rate']:.3f}", f"{x['disk_chunks']:,}",
-                          f"{x['disk_reads']:,}", f"{x['get_lost']} / {x['get_corrupt']}", str(x["put_failed"]),
+            table.add_row(name, format_size(x["disk_per_node"]) if x["disk_per_node"] else "-", f"{x['hit_rate']:.3f}",
+                          f"{x['ideal_lru_hit_rate']:.3f}", f"{x['disk_chunks']:,}", f"{x['disk_reads']:,}",
+                          f"{x['disk_carried']:,}", f"{x['get_lost']} / {x['get_corrupt']}", str(x["put_failed"]),
                           f"{x['wall_s']:.1f} s")
         out.append(table)
     if "ttft" in r:
@@ -345,10 +350,11 @@ def _plot(r: dict, path: Path) -> None:
         elif part == "trace":
             systems = r["trace"]["systems"]
             names = list(systems)
-            ax.bar(names, [systems[n]["hit_rate"] for n in names], color=["tab:gray", "tab:orange"])
+            ax.bar(names, [systems[n]["hit_rate"] for n in names], color="tab:orange", label="kvring")
+            ax.plot(names, [systems[n]["ideal_lru_hit_rate"] for n in names], "o", c="tab:blue",
+                    label="ideal LRU, same size")
             ax.axhline(r["trace"]["compulsory_bound_hit_rate"], ls="--", c="k", label="every repeat hits")
-            ax.axhline(next(iter(systems.values()))["ideal_lru_hit_rate"], ls=":", c="tab:blue",
-                       label="ideal LRU, memory size")
+            ax.tick_params(axis="x", labelsize=7)
             ax.set(ylabel="block hit rate", title=f"trace replay, {format_size(r['trace']['memory_per_node'])} "
                                                   "memory per node")
             ax.legend(fontsize=8)

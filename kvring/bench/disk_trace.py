@@ -1,30 +1,46 @@
 """`kvring bench disk`, part 3: the hit rate of a trace replay, memory only vs memory + disk.
 
 The replay is ``kvring trace``'s own (``trace._replay``: LOOKUP a request's blocks, GET the hit
-prefix's first layer, PUT the absent blocks, in timestamp order) against two 3-node clusters on
-one etcd with the same memory per node, one of them with a disk tier per node.  The ideal LRU
-replayed alongside has the memory's capacity in blocks (the same in both runs): the disk lets a
-cluster go past it, up to the bound where every repeated block hits.
+prefix's first layer, PUT the absent blocks, in timestamp order) against 3-node clusters on one
+etcd with the same memory per node: one without a disk, two with a disk smaller than the trace's
+blocks (where what the disk evicts matters), one evicting first in, first out and one giving the
+chunks read since they were written a second chance, and one with a large disk.  Each is held to
+an ideal LRU of its capacity in blocks (memory, and memory + disk), replayed alongside: the disk
+lets a cluster go past its memory's, up to the bound where every repeated block hits.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
 from kvring.bench.trace import BLOCK_TOKENS, IdealLRU, _replay, request_keys
 from kvring.bench.tracefile import load_trace
+from kvring.cachenode.disk.tier import Eviction
 from kvring.common.contract import Contract
 from kvring.local.cluster import LocalCluster
 
-SYSTEMS = ("memory only", "memory + disk")
+
+@dataclass(frozen=True)
+class TraceCluster:
+    """One cluster a trace is replayed against: its disk per node (0: none) and how it evicts."""
+
+    name: str
+    disk: int
+    eviction: Eviction = Eviction.SECOND_CHANCE
 
 
-def replay_both(etcd: str, file: Path, limit: int | None, memory: int, disk: int, block_bytes: int,
-                console: Console) -> dict:
-    """Replay ``file`` against a memory-only and a memory + disk cluster; their figures."""
+def trace_clusters(small_disk: int, large_disk: int) -> tuple[TraceCluster, ...]:
+    return (TraceCluster("memory only", 0), TraceCluster("small disk, fifo", small_disk, Eviction.FIFO),
+            TraceCluster("small disk, second chance", small_disk), TraceCluster("large disk", large_disk))
+
+
+def replay_all(etcd: str, file: Path, limit: int | None, memory: int, clusters: tuple[TraceCluster, ...],
+               block_bytes: int, console: Console) -> dict:
+    """Replay ``file`` against each of ``clusters``; their figures."""
     from kvring.cachenode.client import ClusterClient
 
     requests = load_trace(file, limit)
@@ -33,25 +49,27 @@ def replay_both(etcd: str, file: Path, limit: int | None, memory: int, disk: int
     requested = sum(map(len, keys_of))
     distinct = len({k for keys in keys_of for k in keys})
     out = {"trace": str(file), "requests": len(requests), "blocks_requested": requested, "distinct_blocks": distinct,
-           "block_bytes": block_bytes, "memory_per_node": memory, "disk_per_node": disk, "nodes": 3,
+           "block_bytes": block_bytes, "memory_per_node": memory, "nodes": 3,
            "compulsory_bound_hit_rate": (requested - distinct) / max(requested, 1), "systems": {}}
-    for name in SYSTEMS:
-        with_disk = name == "memory + disk"
-        console.print(f"trace replay, {name}: 3 nodes of {memory >> 20} MiB memory"
-                      + (f" and {disk >> 20} MiB disk" if with_disk else ""))
-        cluster_name = "bench-disk-trace-" + ("disk" if with_disk else "memory")
+    for i, c in enumerate(clusters):
+        console.print(f"trace replay, {c.name}: 3 nodes of {memory >> 20} MiB memory"
+                      + (f" and {c.disk >> 20} MiB disk ({c.eviction.value})" if c.disk else ""))
+        cluster_name = f"bench-disk-trace-{i}"
         with LocalCluster(nodes=3, memory=memory, etcd=etcd, cluster=cluster_name,
-                          contract=Contract(chunk_size=BLOCK_TOKENS), disk=disk if with_disk else 0), \
+                          contract=Contract(chunk_size=BLOCK_TOKENS), disk=c.disk,
+                          node_args=["--disk-eviction", c.eviction.value] if c.disk else None), \
                 ClusterClient(etcd, cluster=cluster_name) as client:
             if not client.wait_for_nodes(3, timeout=20):
                 raise RuntimeError(f"only {len(client.ring)} nodes joined the ring")
             capacity = sum(s["capacity"] for s in client.stats().values()) // block_bytes
             t0 = time.perf_counter()
-            tally = _replay(client, keys_of, IdealLRU(capacity), block_bytes, "first-layer", console)
+            tally = _replay(client, keys_of, IdealLRU(capacity + 3 * c.disk // block_bytes), block_bytes,
+                            "first-layer", console)
             wall = time.perf_counter() - t0
             stats = client.stats()
         disks = [s["disk"] for s in stats.values() if s.get("disk")]
-        out["systems"][name] = {
+        out["systems"][c.name] = {
+            "disk_per_node": c.disk, "eviction": c.eviction.value if c.disk else None,
             "hit_rate": int(tally.hits_kv.sum()) / max(requested, 1),
             "ideal_lru_hit_rate": int(tally.hits_ideal.sum()) / max(requested, 1),
             "memory_capacity_blocks": capacity, "wall_s": wall,
@@ -59,6 +77,6 @@ def replay_both(etcd: str, file: Path, limit: int | None, memory: int, disk: int
             "evictions": sum(s.get("evictions", 0) for s in stats.values()),
             "disk_chunks": sum(d["chunks"] for d in disks), "disk_reads": sum(d["reads"] for d in disks),
             "disk_write_skipped": sum(d["write_skipped"] for d in disks),
-            "disk_evicted": sum(d["evicted"] for d in disks),
+            "disk_evicted": sum(d["evicted"] for d in disks), "disk_carried": sum(d["carried"] for d in disks),
         }
     return out

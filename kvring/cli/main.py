@@ -208,6 +208,9 @@ def node(
     disk_scrub_interval: Annotated[float, typer.Option(
         help="Seconds from the start of one scrub pass over the disk to the next, at least (the first starts "
              "with the node).", min=0)] = 86400.0,
+    disk_eviction: Annotated[str, typer.Option(
+        help="Past the disk budget the oldest segment goes: second-chance first carries the chunks read from it "
+             "since they were written to the newest segment, fifo lets them go too.")] = "second-chance",
     fault_injection: Annotated[bool, typer.Option(
         "--fault-injection", help="Testing only: POST /debug/corrupt?key=HEX from loopback flips a stored byte, "
                                   "POST /debug/stall?seconds=S blocks the data loop, "
@@ -241,7 +244,8 @@ def node(
         disk = None if disk_dir is None else DiskConfig(
             directory=disk_dir, capacity=_size(disk_capacity, "--disk-capacity"), sync=disk_sync,
             write_queue=_size(disk_write_queue, "--disk-write-queue"),
-            scrub_rate=_size(disk_scrub_rate, "--disk-scrub-rate", zero=True), scrub_interval=disk_scrub_interval)
+            scrub_rate=_size(disk_scrub_rate, "--disk-scrub-rate", zero=True), scrub_interval=disk_scrub_interval,
+            eviction=disk_eviction)
         config = NodeConfig(
             node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
             admin_port=admin_port, advertise_host=advertise_host,
@@ -726,7 +730,7 @@ def bench_reads(
 def bench_disk(
     parts: Annotated[str, typer.Option(help="What to measure, comma-separated: throughput (tier GB/s vs the "
                                             "device's), rebuild (warm restart), trace (hit rate, memory only vs "
-                                            "memory + disk), ttft (vLLM, chunks from disk).")]
+                                            "memory + disk, fifo vs second chance), ttft (vLLM, chunks from disk).")]
         = "throughput,rebuild,trace,ttft",
     repetitions: Annotated[int, typer.Option(help="Interleaved device and tier rounds.", min=1)] = 5,
     tier_bytes: Annotated[str, typer.Option(help="Bytes PUT and read back per tier round (and the device's test "
@@ -740,6 +744,9 @@ def bench_disk(
                         "the checkout].", exists=True, dir_okay=False)] = None,
     limit: Annotated[int, typer.Option(help="Requests of the trace replayed.", min=1)] = 2000,
     memory: Annotated[str, typer.Option("--memory", help="Memory per node in the trace replays.")] = "16MiB",
+    small_disk: Annotated[str, typer.Option(
+        help="Disk per node of the trace replays where eviction matters (fifo vs second chance).")] = "128MiB",
+    large_disk: Annotated[str, typer.Option(help="Disk per node of the trace replay with a large disk.")] = "1GiB",
     tokens: Annotated[int, typer.Option(help="Prompt length of the time-to-first-token part.", min=300)] = 4096,
     json_out: JsonOpt = None,
     plot: PlotOpt = None,
@@ -754,7 +761,8 @@ def bench_disk(
             parts=tuple(p.strip() for p in parts.split(",") if p.strip()), repetitions=repetitions,
             device_bytes=size, tier_bytes=size, chunk_bytes=_size(chunk_bytes, "--chunk-bytes"),
             max_chunks=max_chunks, restarts=restarts, trace=trace_file or default_trace(), trace_limit=limit,
-            trace_memory=_size(memory, "--memory"), tokens=tokens)
+            trace_memory=_size(memory, "--memory"), trace_small_disk=_size(small_disk, "--small-disk"),
+            trace_disk=_size(large_disk, "--large-disk"), tokens=tokens)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     run_bench_disk(settings, json_out=json_out, plot=plot)

@@ -106,6 +106,32 @@ def test_a_chunk_in_use_outlasts_the_disks_cycling_and_a_restart(cluster_factory
         assert _disk(client, "node-0")["reads"] == 1  # from the disk: memory restarted empty
 
 
+@pytest.mark.parametrize("eviction", ["second-chance", "fifo"])
+def test_a_chunk_read_from_disk_gets_a_second_chance_when_its_segment_goes(cluster_factory, eviction):
+    """A chunk read from disk once (promoted into memory, then let go by memory again) is copied to
+    the newest segment when its own goes, so a later request finds it: with the default
+    ``second-chance`` eviction.  ``--disk-eviction fifo`` lets it go with its segment."""
+    cluster = cluster_factory(nodes=1, memory=4 << 20, disk=48 << 20, node_args=["--disk-eviction", eviction])
+    warm = 0
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        assert client.wait_for_nodes(1)
+        assert client.put_many([_item(i) for i in range(33)]) == [1] * 33  # memory (16 chunks) lets warm go
+        wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
+        assert _served(client, [warm]) == ([warm], []) and _disk(client, "node-0")["reads"] == 1
+        for start in range(33, 321, 8):  # 80 MiB through a 48 MiB disk: warm's segment goes
+            assert client.put_many([_item(i) for i in range(start, start + 8)]) == [1] * 8
+        wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
+        disk = _disk(client, "node-0")
+        assert disk["eviction"] == eviction and disk["evicted_segments"] >= 1 and not client.lookup([_key(1)])[0]
+        assert disk["rewritten"] == 0  # memory had let it go: only the second chance can keep it
+        kept = eviction == "second-chance"
+        assert disk["carried"] == int(kept)
+        with urllib.request.urlopen(cluster.nodes[0].admin_addr + "/metrics", timeout=5) as reply:
+            assert f"kvring_node_disk_carried_total {float(int(kept))}" in reply.read().decode()
+        assert client.lookup([_key(warm)]) == [kept]
+        assert _served(client, [warm]) == ([warm] if kept else [], [])
+
+
 def test_a_disk_too_small_to_keep_what_memory_holds_stays_first_in_first_out_and_settles(cluster_factory):
     """With a disk no larger than memory, every segment that goes holds only chunks memory has:
     writing them again would push out the next segment, and so on without end.  Such a disk

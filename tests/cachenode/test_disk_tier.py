@@ -4,6 +4,8 @@ budget and a stalled disk do to it.  (With real node processes: ``test_disk_node
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -192,6 +194,116 @@ def test_past_its_budget_the_oldest_segments_go_first_and_their_blocks_are_told(
     assert all(b is not None and b.block_hashes == [int.from_bytes(k[:8], "little")] for k, b in evicted)
     assert all(_same(tier, item) for item in items[-40:])
     tier.close()
+
+
+def _intact(tier: DiskTier, item: ChunkItem) -> bool:
+    """``item`` is on disk, whole and unchanged, looked at the way the scrub does (which is not a
+    read that earns it a second chance)."""
+    location = tier.location(item.key)
+    if location is None:
+        return False
+    meta, buf = tier.read_record(item.key, location)
+    return bytes(buf) == bytes(item.payload) and meta.checksums == item.meta.checksums
+
+
+def _blocks(tier: DiskTier, key: bytes) -> ChunkBlocks | None:
+    """The vLLM blocks ``key``'s journal entry records."""
+    done, out = threading.Event(), []
+    tier.blocks_of(tier.location(key), lambda blocks: (out.append(blocks), done.set()))
+    assert done.wait(10)
+    return out[0]
+
+
+def _second_chance_tier(path, **kw) -> tuple[DiskTier, list]:
+    """A 64 MiB tier of 16 MiB segments, fed 1 MiB chunks (15 a segment); ``on_gone``'s calls."""
+    gone: list = []
+    tier = DiskTier(DiskConfig(str(path), capacity=64 << 20, segment_bytes=16 << 20, **kw), IDENTITY,
+                    take=lambda n: np.empty(n, dtype=np.uint8), on_gone=lambda k, b: gone.append((k, b)))
+    tier.open()
+    return tier, gone
+
+
+@pytest.mark.parametrize("copy", ["kernel", "through the process"])
+def test_a_segment_carries_what_was_read_from_it_forward_once(tmp_path, monkeypatch, copy):
+    """Past the budget the oldest segment goes, but the chunks read from it since they were
+    written are copied to the newest segment first (journaled there: a restart keeps them), once:
+    unread meanwhile, they go the next time round.  A chunk deleted after its read is not carried,
+    and one deleted after it was carried does not come back.  Where the filesystem cannot copy in
+    the kernel, the copy goes through the process, with the same result."""
+    if copy != "kernel":
+        def no_kernel_copy(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", no_kernel_copy)
+    tier, gone = _second_chance_tier(tmp_path)
+    items = [_item(1 << 20, blocks=True) for _ in range(160)]
+    _write(tier, items[:40])  # segments 1 (items 0-14), 2 (15-29), 3 (30-)
+    for item in items[:4]:
+        assert _same(tier, item)  # served: read from the first segment
+    assert tier.delete(items[2].key)
+    _write(tier, items[40:80])
+    stats = tier.stats()
+    assert stats["evicted_segments"] >= 1 and stats["used"] <= 64 << 20
+    held = [item.key in tier for item in items[:15]]
+    assert held == [True, True, False, True] + [False] * 11
+    assert stats["carried"] == 3 and stats["carried_bytes"] == 3 * tier.location(items[0].key).length
+    assert all(tier.location(items[i].key).segment > 1 and _intact(tier, items[i]) for i in (0, 1, 3))
+    evicted = {item.key for item in items[:80] if item.key not in tier} - {items[2].key}  # (a delete is no eviction)
+    assert {item.key for item in items[4:15]} <= evicted and {k for k, _ in gone} == evicted  # carried: never gone
+    assert all(b is not None and b.block_hashes == [int.from_bytes(k[:8], "little")] for k, b in gone)
+    tier.close()
+
+    tier, gone = _second_chance_tier(tmp_path)  # a restart keeps what was carried, with its blocks
+    assert all(_intact(tier, items[i]) for i in (0, 1, 3)) and items[2].key not in tier
+    assert _blocks(tier, items[0].key).block_hashes == [int.from_bytes(items[0].key[:8], "little")]
+    assert tier.delete(items[1].key)
+    tier.close()
+
+    tier, gone = _second_chance_tier(tmp_path)
+    assert items[1].key not in tier and items[0].key in tier
+    _write(tier, items[80:160])  # nobody reads them now: they go with their new segment
+    assert not any(items[i].key in tier for i in range(4)) and tier.stats()["carried"] == 0
+    assert {items[0].key, items[3].key} <= {k for k, _ in gone}
+    tier.close()
+
+
+def test_a_read_that_finds_its_segment_gone_follows_the_chunk_carried_forward(tmp_path):
+    """A GET looks a chunk up, then reads it on a reader thread; if the chunk's segment is evicted
+    in between and the chunk carried forward, the read finds it where it went (the reader's
+    lookup replayed here with the location it held) rather than answering a miss."""
+    tier, _ = _second_chance_tier(tmp_path)
+    items = [_item(1 << 20) for _ in range(80)]
+    _write(tier, items[:40])
+    assert _same(tier, items[0])
+    held = tier.location(items[0].key)
+    _write(tier, items[40:])
+    assert tier.location(items[0].key).segment != held.segment and not os.path.exists(
+        tmp_path / segment_name(held.segment, DATA_SUFFIX))
+    done, out = threading.Event(), []
+    tier._read(items[0].key, held, lambda result: (out.append(result), done.set()))
+    assert done.wait(10) and out[0].meta is not None and bytes(out[0].buf) == bytes(items[0].payload)
+    assert items[1].key not in tier  # evicted for good (never read): a miss
+    tier._read(items[1].key, dataclasses.replace(held, offset=0), out.append)
+    assert out[1].missing == "gone"
+    tier.close()
+
+
+def test_an_evicted_segment_carries_at_most_half_its_bytes_and_fifo_carries_none(tmp_path):
+    """Every chunk of the oldest segment read: it carries the first half of its bytes (so each
+    eviction frees at least the other half, and a tier where everything is read still cycles);
+    with ``fifo`` it carries nothing."""
+    for eviction, kept in (("second-chance", 7), ("fifo", 0)):
+        path = tmp_path / eviction
+        path.mkdir()
+        tier, _ = _second_chance_tier(path, eviction=eviction)
+        items = [_item(1 << 20) for _ in range(80)]
+        _write(tier, items[:40])
+        assert all(_same(tier, item) for item in items[:15])
+        _write(tier, items[40:])
+        stats = tier.stats()
+        assert stats["eviction"] == eviction and stats["used"] <= 64 << 20
+        assert [item.key in tier for item in items[:15]] == [True] * kept + [False] * (15 - kept)
+        assert stats["carried"] == kept and all(_intact(tier, item) for item in items[:kept])
+        tier.close()
 
 
 def test_a_start_under_a_lowered_capacity_lets_the_oldest_segments_go_at_once(tmp_path):

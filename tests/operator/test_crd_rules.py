@@ -27,8 +27,9 @@ def _with(**fields) -> dict:
     _cr(),  # unchanged
     _with(capacity="100Gi"), _with(capacity=None),  # the node's budget: a flag, rolled
     _with(scrubRate="0"), _with(scrubRate=None), _with(scrubIntervalSeconds=3600), _with(scrubIntervalSeconds=None),
+    _with(eviction="fifo"),
 ], ids=["unchanged", "capacity", "capacity-unset", "scrub-off", "scrub-rate-unset", "scrub-interval",
-        "scrub-interval-unset"])
+        "scrub-interval-unset", "eviction"])
 def test_a_disk_clusters_node_settings_may_change(new):
     assert rule_failures(new, old=_cr()) == []
 

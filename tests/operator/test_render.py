@@ -17,6 +17,7 @@ import pytest
 import typer
 from crd_schema import load_examples
 
+from kvring.cachenode.disk.tier import DiskConfig, Eviction
 from kvring.cli.main import app
 from kvring.connector.config import ConnectorConfig
 from kvring.operator.render import (
@@ -32,7 +33,7 @@ from kvring.operator.render import (
     render_statefulset,
     selector,
 )
-from kvring.operator.spec import ClusterSpec, SpecError
+from kvring.operator.spec import DISK_EVICTIONS, ClusterSpec, SpecError
 
 K8S_VERSION = "1.35.0"
 BASE = {"memoryPerNode": "1Gi"}
@@ -432,13 +433,15 @@ def test_node_command_line_parses_with_the_real_cli():
 
 
 def test_disk_flags_parse_with_the_real_cli():
-    spec = spec_of(disk={"size": "10Gi", "scrubRate": "32Mi", "scrubIntervalSeconds": 600})
+    spec = spec_of(disk={"size": "10Gi", "scrubRate": "32Mi", "scrubIntervalSeconds": 600, "eviction": "fifo"})
     args = [a.replace("$(POD_NAME)", "kv-0") for a in ctr(children(spec))["args"]]
     command = typer.main.get_command(app)
     ctx = command.make_context("kvring", list(args), resilient_parsing=False)
     params = command.get_command(ctx, args[0]).make_context(args[0], args[1:], parent=ctx).params
     assert (params["disk_dir"], params["disk_capacity"]) == ("/var/lib/kvring/disk", str(9 * (1 << 30)))
     assert (params["disk_scrub_rate"], params["disk_scrub_interval"]) == (str(32 << 20), 600.0)
+    assert DiskConfig(params["disk_dir"], 1 << 30, eviction=params["disk_eviction"]).eviction is Eviction.FIFO
+    assert set(DISK_EVICTIONS) == {e.value for e in Eviction}  # the CRD's choices are the node's
 
 
 def test_a_disk_cluster_holds_its_partition_for_the_operator():

@@ -166,7 +166,7 @@ def test_everything_example_reads_every_field():
     assert (s.data_port, s.admin_port, s.events_port, s.events_replay_port) == (7000, 7001, 7002, 7003)
     assert (s.policy, s.lease_ttl) == ("fifo", 15)
     assert s.disk == DiskSpec(size="500Gi", size_bytes=500 << 30, capacity=450 << 30, storage_class="local-nvme",
-                              scrub_rate=32 << 20, scrub_interval_seconds=43200)
+                              scrub_rate=32 << 20, scrub_interval_seconds=43200, eviction="fifo")
     assert s.network_policy == NetworkPolicySpec(enabled=True, monitoring_namespace="observability",
                                                  client_namespaces=("serving",))
     assert s.pool_events == PoolEventsSpec(enabled=True, port=7004, replay_port=7005, topic="kv", resources={
@@ -281,6 +281,8 @@ def test_specs_only_the_operator_can_refuse(name):
      "spec.disk.scrubRate: 'fast' is not a byte quantity"),
     ({"memoryPerNode": "1Gi", "disk": {"size": "10Gi", "scrubIntervalSeconds": 0}},
      "spec.disk.scrubIntervalSeconds must be between 1 and 2147483647, got 0"),
+    ({"memoryPerNode": "1Gi", "disk": {"size": "10Gi", "eviction": "lru"}},
+     "spec.disk.eviction must be one of second-chance, fifo; got 'lru'"),
 ])
 def test_bad_specs_say_what_to_set(spec, says):
     with pytest.raises(SpecError) as info:
