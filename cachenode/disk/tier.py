@@ -651,9 +651,14 @@ class DiskTier:
         if not picked:
             return None
         journal = self._journal_of(number)
+        try:
+            src = os.open(os.path.join(self.directory, segment_name(number, DATA_SUFFIX)), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            logger.warning("disk %s: segment %d cannot be read to carry its read chunks forward (%s): they go",
+                           self.directory, number, exc.strerror)
+            return journal
         self._commit()  # the batch's records so far are durable and journaled before these follow
         moved: list[tuple[bytes, Location, Location, bytes | None]] = []
-        src = os.open(os.path.join(self.directory, segment_name(number, DATA_SUFFIX)), os.O_RDONLY | os.O_CLOEXEC)
         start = self._segment.size
         try:
             for key, old in picked:

@@ -350,8 +350,9 @@ def _plot(r: dict, path: Path) -> None:
         elif part == "trace":
             systems = r["trace"]["systems"]
             names = list(systems)
-            ax.bar(names, [systems[n]["hit_rate"] for n in names], color="tab:orange", label="kvring")
-            ax.plot(names, [systems[n]["ideal_lru_hit_rate"] for n in names], "o", c="tab:blue",
+            labels = [n.replace(", ", ",\n") for n in names]
+            ax.bar(labels, [systems[n]["hit_rate"] for n in names], color="tab:orange", label="kvring")
+            ax.plot(labels, [systems[n]["ideal_lru_hit_rate"] for n in names], "o", c="tab:blue",
                     label="ideal LRU, same size")
             ax.axhline(r["trace"]["compulsory_bound_hit_rate"], ls="--", c="k", label="every repeat hits")
             ax.tick_params(axis="x", labelsize=7)
