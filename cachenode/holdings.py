@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
@@ -120,6 +120,9 @@ class Holdings:
     def delete(self, key: bytes) -> bool:
         if self.disk is None:
             return self.store.delete(key)
+        read = self._reading.get(key)
+        if read is not None:
+            read.deleted = True  # what it brings back is not held any more
         dropped = self.disk.delete(key)
         if self.store.delete(key):
             return True
@@ -132,6 +135,8 @@ class Holdings:
             raise ValueError("refusing to flush the empty namespace (it would mean chunks that have none)")
         if self.disk is None:
             return self.store.delete_namespace(namespace)
+        for read in self._reading.values():  # their namespaces are known only once they are read
+            read.flushed.add(namespace)
         only_on_disk = 0
         for key, dropped in self.disk.delete_namespace(namespace).items():
             if key not in self.store:
@@ -192,8 +197,14 @@ class Holdings:
         self.disk.read(key, lambda result: self.server.post(lambda: self._read_done(key, result)))
 
     def _read_done(self, key: bytes, result: ReadResult) -> None:
+        """A disk read is back: its chunk goes into memory and to whoever waits for it, unless it
+        was deleted (or its namespace flushed) meanwhile.  One whose segment was evicted meanwhile
+        is served and held in memory: it was read whole and checked, and the eviction already
+        told the KV events it left the disk (memory holding it again tells them it is back)."""
         entry = None
-        if result.meta is not None and self.disk.holds(key):  # not deleted while it was read
+        read = self._reading.pop(key, None)
+        if result.meta is not None and read is not None and not read.deleted \
+                and result.meta.namespace not in read.flushed:
             entry = self.store.get(key)
             if entry is None:
                 try:
@@ -201,7 +212,6 @@ class Holdings:
                     entry = self.store.peek(key)
                 except StoreFull:
                     entry = Entry(result.meta, result.buf)
-        read = self._reading.pop(key, None)
         for then in read.waiters if read is not None else ():
             then(entry)
 
@@ -295,6 +305,8 @@ class _Read:
 
     started: float  # monotonic
     waiters: list[Callable[[Entry | None], None]]
+    deleted: bool = False  # its key was deleted meanwhile
+    flushed: set[str] = field(default_factory=set)  # namespaces flushed meanwhile
 
 
 class _HeldEvents:

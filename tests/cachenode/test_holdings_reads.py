@@ -1,0 +1,136 @@
+"""A node's two tiers as one set (``Holdings``) while a disk read is under way: a real data loop
+(``Server``), a real memory store and a real disk tier over files.  Each test holds one read
+between the disk handing the chunk back and the loop taking it (a pause around the tier's own
+``read_record``), changes what the node holds meanwhile, then lets the read finish."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvring.cachenode.disk.identity import DiskIdentity
+from kvring.cachenode.disk.tier import DiskConfig, DiskTier
+from kvring.cachenode.framing import FrameLimits
+from kvring.cachenode.holdings import Holdings
+from kvring.cachenode.server import Server
+from kvring.cachenode.store import ChunkStore
+from kvring.common.chunk import ChunkItem
+
+IDENTITY = DiskIdentity(cluster="c", node_id="node-0", contract='{"chunk_size": 256}')
+MIB = 1 << 20
+
+
+def _item(namespace: str = "ns") -> ChunkItem:
+    payload = np.frombuffer(os.urandom(MIB), dtype=np.uint8)
+    return ChunkItem.of(os.urandom(16), payload, [4, MIB // 4], "uint8", 16, namespace)
+
+
+class _Node:
+    """A data loop on its thread, a 4 MiB memory store and a 64 MiB disk of 16 MiB segments."""
+
+    def __init__(self, path) -> None:
+        self.server = Server("127.0.0.1", 0, lambda conn, message: None, FrameLimits(1 << 16, 4, 2 * MIB, 4 * MIB))
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.disk = DiskTier(DiskConfig(str(path), capacity=64 * MIB, segment_bytes=16 * MIB, read_timeout=30.0,
+                                        scrub_rate=0), IDENTITY, take=lambda n: np.empty(n, dtype=np.uint8))
+        self.disk.open()
+        self.holdings = Holdings(ChunkStore(4 * MIB), self.disk, self.server)
+        self._held: dict[bytes, threading.Event] = {}
+        self.paused = threading.Event()
+        read_record = self.disk.read_record
+
+        def held_read(key, location, take=None):
+            got = read_record(key, location, take)
+            release = self._held.get(key)
+            if release is not None:
+                self.paused.set()
+                assert release.wait(30)
+            return got
+
+        self.disk.read_record = held_read
+
+    def put(self, items: list[ChunkItem]) -> None:
+        for item in items:
+            assert self.server.call(lambda item=item: self.holdings.put(item.key, item.meta, item.payload))
+        deadline = time.monotonic() + 20
+        while self.disk.stats()["queued"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not self.disk.stats()["queued"]
+
+    def fetch_held(self, key: bytes, meanwhile) -> object:
+        """Fetch ``key`` (only on disk), run ``meanwhile()`` while its read is held, then let it
+        finish; the entry the fetch answered."""
+        release, answered, out = threading.Event(), threading.Event(), []
+        self._held[key] = release
+        self.paused.clear()
+        self.server.call(lambda: self.holdings.fetch([key], lambda entries: (out.append(entries[0]), answered.set())))
+        assert self.paused.wait(10), "the read did not start"
+        meanwhile()
+        release.set()
+        assert answered.wait(10)
+        del self._held[key]
+        return out[0]
+
+    def close(self) -> None:
+        self.server.stop()
+        self.thread.join(10)
+        self.disk.close()
+
+
+@pytest.fixture
+def node(tmp_path):
+    n = _Node(tmp_path)
+    yield n
+    n.close()
+
+
+def _in_memory(node: _Node, key: bytes) -> bool:
+    return node.server.call(lambda: key in node.holdings.store)
+
+
+def test_a_read_whose_segment_is_evicted_meanwhile_is_served_and_held_in_memory(node):
+    """The chunk was read whole and checked before its segment went: it is served (bytes equal)
+    and memory holds it, rather than a miss that recomputes what the node had just read."""
+    items = [_item() for _ in range(80)]
+    node.put(items[:40])  # memory keeps the last 4; the first ones are only on disk
+    first = items[0]
+    assert not _in_memory(node, first.key) and node.disk.holds(first.key)
+
+    def evict() -> None:
+        node.put(items[40:])
+        assert not node.disk.holds(first.key)  # its segment went (never marked read: not carried)
+
+    entry = node.fetch_held(first.key, evict)
+    assert entry is not None and bytes(entry.buf) == bytes(first.payload)
+    assert _in_memory(node, first.key)
+
+
+@pytest.mark.parametrize("how", ["delete", "flush"])
+def test_a_read_whose_chunk_is_deleted_meanwhile_never_brings_it_back(node, how):
+    """A DELETE (or a flush of the chunk's namespace) while the chunk is being read: the read
+    answers a miss and neither tier holds the chunk after it.  A read of another namespace under
+    way through the same flush is served."""
+    doomed, other = _item("a"), _item("b")
+    node.put([doomed, other] + [_item() for _ in range(8)])  # both only on disk now
+    assert not _in_memory(node, doomed.key) and not _in_memory(node, other.key)
+
+    def delete() -> None:
+        if how == "delete":
+            assert node.server.call(lambda: node.holdings.delete(doomed.key))
+        else:
+            assert node.server.call(lambda: node.holdings.delete_namespace("a")) == 1
+
+    assert node.fetch_held(doomed.key, delete) is None
+    assert not _in_memory(node, doomed.key) and not node.disk.holds(doomed.key)
+    assert not node.server.call(lambda: node.holdings.lookup([doomed.key], 0))[0]
+
+    def flush_a() -> None:
+        node.server.call(lambda: node.holdings.delete_namespace("a"))
+
+    entry = node.fetch_held(other.key, flush_a)
+    assert entry is not None and bytes(entry.buf) == bytes(other.payload) and _in_memory(node, other.key)
