@@ -152,6 +152,10 @@ class Holdings:
         back or the disk's ``read_timeout`` has passed."""
         entries = [self.store.get(key) for key in keys]
         disk = self.disk
+        if disk is not None and not all(entries):
+            for i, key in enumerate(keys):
+                if entries[i] is None:
+                    entries[i] = self._from_queue(key)
         timeout = disk.config.read_timeout if disk is not None else 0.0
         waiting = [i for i, e in enumerate(entries) if e is None and disk is not None and disk.holds(keys[i])
                    and self._can_wait(keys[i], timeout)]
@@ -181,6 +185,19 @@ class Holdings:
             self._read(keys[i], lambda entry, i=i: arrived(i, entry))
         if left:
             self.server.later(timeout, finish)
+
+    def _from_queue(self, key: bytes) -> Entry | None:
+        """A chunk memory let go while its disk write is still queued: taken back into memory from
+        the queue's buffer (the pool never hands out a buffer something still references)."""
+        queued = self.disk.queued(key)
+        if queued is None:
+            return None
+        meta, buf = queued
+        try:
+            self.store.put(key, meta, buf)  # held in both tiers again: nothing announced
+            return self.store.peek(key)
+        except StoreFull:
+            return Entry(meta, buf)
 
     def _can_wait(self, key: bytes, timeout: float) -> bool:
         read = self._reading.get(key)

@@ -264,6 +264,14 @@ class DiskTier:
         """On disk now (not only queued)."""
         return key in self.index.entries
 
+    def queued(self, key: bytes) -> tuple[ChunkMeta, object] | None:
+        """The meta and buffer of ``key``'s write if it is queued (not written yet, not deleted)."""
+        with self._cond:
+            write = self._pending.get(key)
+            if write is None or write.cancelled or write.written:
+                return None
+            return write.meta, write.buf
+
     def write(self, key: bytes, meta: ChunkMeta, buf) -> bool:
         """Queue a chunk for the disk; False if it is there already or the queue is full."""
         nbytes = meta.nbytes

@@ -5,8 +5,9 @@ prefix's first layer, PUT the absent blocks, in timestamp order) against 3-node 
 etcd with the same memory per node: one without a disk, two with a disk smaller than the trace's
 blocks (where what the disk evicts matters), one evicting first in, first out and one giving the
 chunks read since they were written a second chance, and one with a large disk.  Each is held to
-an ideal LRU of its capacity in blocks (memory, and memory + disk), replayed alongside: the disk
-lets a cluster go past its memory's, up to the bound where every repeated block hits.
+an ideal LRU of its capacity in blocks (its memory's, or its disk's, which holds what memory does
+too), replayed alongside: the disk lets a cluster go past its memory's, up to the bound where
+every repeated block hits.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def replay_all(etcd: str, file: Path, limit: int | None, memory: int, clusters: 
                 raise RuntimeError(f"only {len(client.ring)} nodes joined the ring")
             capacity = sum(s["capacity"] for s in client.stats().values()) // block_bytes
             t0 = time.perf_counter()
-            tally = _replay(client, keys_of, IdealLRU(capacity + 3 * c.disk // block_bytes), block_bytes,
+            # The disk holds what memory does too: a cluster keeps its disk's worth of distinct blocks.
+            tally = _replay(client, keys_of, IdealLRU(max(capacity, 3 * c.disk // block_bytes)), block_bytes,
                             "first-layer", console)
             wall = time.perf_counter() - t0
             stats = client.stats()
