@@ -9,7 +9,10 @@ through both.  Memory is the hot tier over the disk:
 - A GET of a chunk only on disk reads it on the tier's reader threads, promotes it into memory
   (it is in use) and answers once every key asked for is read, or after ``read_timeout``
   seconds with what came (the rest as misses): a stalled disk delays only the GETs that need
-  it, never the data loop.  Reads of one key already under way are shared.
+  it, never the data loop.  Reads of one key already under way are shared.  One that was under
+  way when its segment was evicted still serves (it was read whole and checked); one whose key
+  was deleted or namespace flushed meanwhile does not.  A chunk memory let go while its disk
+  write is still queued is served from the queued write's buffer, and memory takes it back.
 - A LOOKUP that leases chunks found only on disk (a worker is about to load them) starts reading
   them into memory at once, so the GET that follows finds them there.  At most
   ``MAX_PREFETCHES`` such reads are under way; past that a GET reads for itself.

@@ -436,10 +436,10 @@ class _Reader:
                 self.problems.append(f"{where}.scrubRate: {exc} (bytes a second, e.g. 16Mi; 0 turns the scrub off)")
         interval = (self._int(disk, "scrubIntervalSeconds", 1, 1, MAX_INT32, where)
                     if "scrubIntervalSeconds" in disk else None)
+        eviction = self._enum(disk, "eviction", None, DISK_EVICTIONS, where) if "eviction" in disk else None
         return DiskSpec(size=str(size), size_bytes=size_bytes, capacity=capacity,
                         storage_class=self._str(disk, "storageClassName", None, where), scrub_rate=scrub_rate,
-                        scrub_interval_seconds=interval,
-                        eviction=self._enum(disk, "eviction", None, DISK_EVICTIONS, where) if "eviction" in disk else None)
+                        scrub_interval_seconds=interval, eviction=eviction)
 
     def _network_policy(self, policy: Any) -> NetworkPolicySpec:
         where = "spec.networkPolicy"

@@ -284,8 +284,8 @@ def tables(r: dict) -> list[Table]:
                             f"{format_size(tr['memory_per_node'])} memory per node",
                       caption=f"3 nodes; blocks of {format_size(tr['block_bytes'])}; {tr['distinct_blocks']:,} distinct "
                               f"of {tr['blocks_requested']:,} blocks requested; ideal LRU: one LRU of the cluster's "
-                              f"memory, or disk (which holds what memory does), in blocks; bound: every repeated block hits = "
-                              f"{tr['compulsory_bound_hit_rate']:.3f}")
+                              f"memory, or disk (which holds what memory does), in blocks; bound: every repeated "
+                              f"block hits = {tr['compulsory_bound_hit_rate']:.3f}")
         for col in ("cluster", "disk per node", "hit rate", "ideal LRU, same size", "chunks on disk", "read from disk",
                     "carried forward", "lost / corrupt reads", "failed puts", "replay"):
             table.add_column(col, justify="right")
