@@ -195,9 +195,13 @@ class Holdings:
         queued = self.disk.queued(key)
         if queued is None:
             return None
-        meta, buf = queued
+        return self._hold(key, *queued)  # held in both tiers again: nothing announced
+
+    def _hold(self, key: bytes, meta: ChunkMeta, buf) -> Entry:
+        """Memory takes a chunk back from the disk tier (its entry; one held nowhere if memory is
+        full of leased chunks)."""
         try:
-            self.store.put(key, meta, buf)  # held in both tiers again: nothing announced
+            self.store.put(key, meta, buf)
             return self.store.peek(key)
         except StoreFull:
             return Entry(meta, buf)
@@ -227,11 +231,7 @@ class Holdings:
                 and result.meta.namespace not in read.flushed:
             entry = self.store.get(key)
             if entry is None:
-                try:
-                    self.store.put(key, result.meta, result.buf)
-                    entry = self.store.peek(key)
-                except StoreFull:
-                    entry = Entry(result.meta, result.buf)
+                entry = self._hold(key, result.meta, result.buf)
         for then in read.waiters if read is not None else ():
             then(entry)
 

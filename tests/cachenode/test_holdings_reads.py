@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
+from polling import wait_for
 
 from kvring.cachenode.disk.identity import DiskIdentity
 from kvring.cachenode.disk.tier import DiskConfig, DiskTier
@@ -57,12 +57,8 @@ class _Node:
     def put(self, items: list[ChunkItem], settle: bool = True) -> None:
         for item in items:
             assert self.server.call(lambda item=item: self.holdings.put(item.key, item.meta, item.payload))
-        if not settle:
-            return
-        deadline = time.monotonic() + 20
-        while self.disk.stats()["queued"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not self.disk.stats()["queued"]
+        if settle:
+            wait_for(lambda: not self.disk.stats()["queued"], 20, "the disk writes")
 
     def fetch_held(self, key: bytes, meanwhile) -> object:
         """Fetch ``key`` (only on disk), run ``meanwhile()`` while its read is held, then let it
@@ -108,9 +104,7 @@ def test_a_chunk_memory_let_go_while_its_disk_write_is_queued_is_served_from_the
     node.server.call(lambda: node.holdings.fetch([first.key], lambda entries: (out.append(entries[0]), answered.set())))
     assert answered.wait(1.0), "the GET waited on the disk"
     assert out[0] is not None and bytes(out[0].buf) == bytes(first.payload) and _in_memory(node, first.key)
-    deadline = time.monotonic() + 20
-    while not node.disk.holds(first.key) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: node.disk.holds(first.key), 20, "the queued write")
     meta, buf = node.disk.read_record(first.key, node.disk.location(first.key))
     assert bytes(buf) == bytes(first.payload)
 
