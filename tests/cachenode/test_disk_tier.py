@@ -266,6 +266,37 @@ def test_a_segment_carries_what_was_read_from_it_forward_once(tmp_path, monkeypa
     tier.close()
 
 
+def test_a_carry_that_fails_lets_the_rest_go_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """The device fails while read chunks are being carried (EIO, not a filesystem that cannot
+    copy in the kernel): the failure is counted, the segment goes as it would under fifo, what
+    was copied before the failure is kept whole, and a restart finds no torn record."""
+    tier, gone = _second_chance_tier(tmp_path)
+    items = [_item(1 << 20) for _ in range(80)]
+    _write(tier, items[:40])
+    assert all(_same(tier, item) for item in items[:3])
+    copy_file_range, calls = os.copy_file_range, []
+
+    def failing_second_copy(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return copy_file_range(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", failing_second_copy)
+    _write(tier, items[40:])
+    stats = tier.stats()
+    assert stats["carry_errors"] == 1 and stats["carried"] == 1 and stats["used"] <= 64 << 20
+    assert [item.key in tier for item in items[:3]] == [True, False, False]
+    assert _intact(tier, items[0]) and {items[1].key, items[2].key} <= {k for k, _ in gone}
+    monkeypatch.undo()
+    tier.close()
+
+    tier, _ = _second_chance_tier(tmp_path)
+    assert not any(tier.stats()["rebuild"]["dropped"].values())
+    assert _intact(tier, items[0]) and all(_intact(tier, item) for item in items[40:] if item.key in tier)
+    tier.close()
+
+
 def test_a_read_that_finds_its_segment_gone_follows_the_chunk_carried_forward(tmp_path):
     """A GET looks a chunk up, then reads it on a reader thread; if the chunk's segment is evicted
     in between and the chunk carried forward, the read finds it where it went (the reader's
