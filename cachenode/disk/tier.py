@@ -533,9 +533,7 @@ class DiskTier:
             for item, location in written:
                 if item.cancelled:  # deleted while it was being written
                     continue
-                entry = encode_entry(Stored(item.key, location.offset, location.length, item.meta.namespace,
-                                            blocks_bytes(item.meta)))
-                self.index.add(item.key, dataclasses.replace(location, entry=at))
+                entry = self._index_stored(item.key, location, blocks_bytes(item.meta), at)
                 item.written = True
                 entries.append(entry)
                 at += len(entry)
@@ -545,6 +543,12 @@ class DiskTier:
             self._append_journal(b"".join(entries))
         if written and self.config.sync:
             os.posix_fadvise(self._data_fd, written[0][1].offset, 0, os.POSIX_FADV_DONTNEED)
+
+    def _index_stored(self, key: bytes, location: Location, blocks: bytes | None, at: int) -> bytes:
+        """Make a record written (and synced) in the open segment visible, its journal entry to be
+        appended at offset ``at``; the entry (under the index lock)."""
+        self.index.add(key, dataclasses.replace(location, entry=at))
+        return encode_entry(Stored(key, location.offset, location.length, location.namespace, blocks))
 
     def _append(self, item: _Write) -> Location | None:
         """Write one record at the end of the open segment (making room first); None if it could
@@ -701,8 +705,7 @@ class DiskTier:
             for key, old, new, blocks in moved:
                 if self.index.entries.get(key) is not old:  # deleted (or dropped as bad) while it was copied
                     continue
-                entry = encode_entry(Stored(key, new.offset, new.length, new.namespace, blocks))
-                self.index.add(key, dataclasses.replace(new, entry=at))
+                entry = self._index_stored(key, new, blocks, at)
                 added.append(entry)
                 at += len(entry)
                 self.counts["carried"] += 1
