@@ -85,6 +85,8 @@ def test_a_file_that_is_not_a_trace_is_one_line(files, args, expected):
     (["node", "--node-id", "n", "--etcd", "127.0.0.1:2379", "--chunk-size", "0"], ["--chunk-size"]),
     (["node", "--node-id", "n", "--etcd", "127.0.0.1:2379", "--policy", "biggest"], ["eviction policy 'biggest'"]),
     (["node", "--node-id", "n/1", "--etcd", "127.0.0.1:2379"], ["node id 'n/1'"]),
+    (["node", "--node-id", "n", "--etcd", "127.0.0.1:2379", "--disk-dir", "/tmp/x", "--disk-capacity", "1GiB",
+      "--disk-eviction", "lru"], ["--disk-eviction must be one of second-chance, fifo"]),
     (["node", "--node-id", "n", "--etcd", "nohost"], ["--etcd", "'nohost' is not host:port"]),
     (["node", "--node-id", "n", "--etcd", "127.0.0.1:2379", "--tls-dir", "/no/such/dir"], ["--tls-dir"]),
     (["node", "--etcd", "127.0.0.1:2379"], ["Missing option '--node-id'"]),
