@@ -14,8 +14,11 @@ through both.  Memory is the hot tier over the disk:
   was deleted or namespace flushed meanwhile does not.  A chunk memory let go while its disk
   write is still queued is served from the queued write's buffer, and memory takes it back.
 - A LOOKUP that leases chunks found only on disk (a worker is about to load them) starts reading
-  them into memory at once, so the GET that follows finds them there.  At most
-  ``MAX_PREFETCHES`` such reads are under way; past that a GET reads for itself.
+  them into memory at once, so the GET that follows finds them there: the read pins its segment
+  (evicted meanwhile, it is read all the same: ``DiskTier.read``), and memory takes the chunk
+  under what is left of the lease, as if the LOOKUP had found it there.  At most
+  ``MAX_PREFETCHES`` such reads are under way; past that (``prefetch_skipped``) a GET reads for
+  itself, and a chunk evicted from the disk before it comes is a miss.
 - What waits on a slow disk is bounded: at most ``MAX_READS`` keys are being read at once (past
   it a GET answers the rest as misses), and a GET does not wait on a read already older than
   the read timeout (the disk is stalled: a miss at once, not another waiter).
@@ -65,6 +68,7 @@ class Holdings:
         self.events = events
         self._reading: dict[bytes, _Read] = {}
         self.prefetched = 0
+        self.prefetch_skipped = 0  # leased chunks on disk not read ahead (``MAX_PREFETCHES`` under way)
         self.rewritten = 0  # chunks written to the disk again as their segment went (``_disk_gone``)
         # Rewriting what memory holds ends only where evicting a segment frees cold bytes too: on a
         # disk with room for memory twice over (and two segments of slack).  A smaller one, where
@@ -86,12 +90,16 @@ class Holdings:
         disk = self.disk
         if disk is None or all(present):
             return present
+        until = time.monotonic() + lease_ms / 1000
         for i, key in enumerate(keys):
             if not present[i] and key in disk:
                 present[i] = True
-                if lease_ms > 0 and disk.holds(key) and len(self._reading) < MAX_PREFETCHES:
-                    self.prefetched += 1
-                    self._read(key, lambda _entry: None)
+                if lease_ms > 0 and disk.holds(key):
+                    if key in self._reading or len(self._reading) < MAX_PREFETCHES:
+                        self.prefetched += 1
+                        self._read(key, lambda _entry: None, until)
+                    else:
+                        self.prefetch_skipped += 1
         return present
 
     def __contains__(self, key: bytes) -> bool:
@@ -160,8 +168,9 @@ class Holdings:
                 if entries[i] is None:
                     entries[i] = self._from_queue(key)
         timeout = disk.config.read_timeout if disk is not None else 0.0
-        waiting = [i for i, e in enumerate(entries) if e is None and disk is not None and disk.holds(keys[i])
-                   and self._can_wait(keys[i], timeout)]
+        # A read under way is waited for even if its segment was evicted since: it is pinned.
+        waiting = [i for i, e in enumerate(entries) if e is None and disk is not None
+                   and (keys[i] in self._reading or disk.holds(keys[i])) and self._can_wait(keys[i], timeout)]
         if not waiting:
             done(entries)
             return
@@ -212,12 +221,15 @@ class Holdings:
             return len(self._reading) < MAX_READS
         return time.monotonic() - read.started < timeout
 
-    def _read(self, key: bytes, then: Callable[[Entry | None], None]) -> None:
+    def _read(self, key: bytes, then: Callable[[Entry | None], None], lease_until: float = 0.0) -> None:
+        """Read ``key`` from the disk (or join its read under way); ``lease_until``: a LOOKUP's
+        lease (monotonic seconds) memory keeps it under once it is back."""
         read = self._reading.get(key)
         if read is not None:
             read.waiters.append(then)
+            read.lease_until = max(read.lease_until, lease_until)
             return
-        self._reading[key] = _Read(time.monotonic(), [then])
+        self._reading[key] = _Read(time.monotonic(), [then], lease_until=lease_until)
         self.disk.read(key, lambda result: self.server.post(lambda: self._read_done(key, result)))
 
     def _read_done(self, key: bytes, result: ReadResult) -> None:
@@ -232,6 +244,9 @@ class Holdings:
             entry = self.store.get(key)
             if entry is None:
                 entry = self._hold(key, result.meta, result.buf)
+            lease_ms = int((read.lease_until - time.monotonic()) * 1000)
+            if lease_ms > 0:
+                self.store.lookup([key], lease_ms)  # held as the LOOKUP would have found it (if in memory)
         for then in read.waiters if read is not None else ():
             then(entry)
 
@@ -325,6 +340,7 @@ class _Read:
 
     started: float  # monotonic
     waiters: list[Callable[[Entry | None], None]]
+    lease_until: float = 0.0  # a LOOKUP's lease (monotonic), which memory holds the chunk under
     deleted: bool = False  # its key was deleted meanwhile
     flushed: set[str] = field(default_factory=set)  # namespaces flushed meanwhile
 

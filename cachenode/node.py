@@ -347,6 +347,7 @@ class CacheNode:
         if self.disk is None:
             return None
         return {**self.disk.stats(), "prefetched": self.holdings.prefetched,
+                "prefetch_skipped": self.holdings.prefetch_skipped,
                 "read_timeouts": self.holdings.read_timeouts, "rewritten": self.holdings.rewritten}
 
 

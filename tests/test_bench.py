@@ -532,12 +532,12 @@ def test_bench_disk_measures_the_tier_the_restarts_and_the_trace_and_writes_json
     assert (fifo["disk_per_node"], fifo["eviction"], second["eviction"]) == (24 << 20, "fifo", "second-chance")
     assert fifo["disk_evicted"] > 0 and fifo["disk_carried"] == 0 and second["disk_carried"] > 0
     assert memory["ideal_lru_hit_rate"] <= fifo["ideal_lru_hit_rate"] <= disk["ideal_lru_hit_rate"]
+    # The replay's LOOKUPs lease what they find, as the connector's do: a chunk found on disk is
+    # read ahead and held for its GET, even where its segment is evicted first (a disk that cycles
+    # every few requests): nothing a LOOKUP found is lost, and nothing comes back wrong.
     for name, x in tr["systems"].items():
-        assert x["get_corrupt"] == x["put_failed"] == 0, (name, x)
-    # A disk that cycles every few requests may evict a chunk between the LOOKUP that found it and
-    # its GET: a miss (recomputed), never wrong bytes.  Where nothing cycles, nothing is lost.
-    assert memory["get_lost"] == disk["get_lost"] == 0
-    assert fifo["get_lost"] + second["get_lost"] <= tr["blocks_requested"] // 100
+        assert x["get_corrupt"] == x["put_failed"] == x["get_lost"] == 0, (name, x)
+    assert fifo["prefetched"] > 0 and second["prefetched"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
     dirs_after, procs = _bench_disk_leftovers()
     assert dirs_after <= dirs_before and not procs  # nothing left in /tmp or running

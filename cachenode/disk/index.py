@@ -47,6 +47,8 @@ class Segment:
     # Keys served from this segment since it was written (their second chance when it is evicted:
     # ``DiskTier._carry_forward``); not kept over a restart.
     read: set[bytes] = field(default_factory=set)
+    readers: int = 0  # reads asked for and not done (``DiskTier.read``: pinned)
+    kept: int = -1  # evicted while pinned: its data file, open until the last of them is done
 
 
 @dataclass

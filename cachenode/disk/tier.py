@@ -32,7 +32,11 @@ back, and its pages are dropped from the page cache (a chunk read is promoted in
 bad record is counted (``corrupt``), dropped from the index (and journaled as deleted), told to
 ``on_gone`` like an eviction (the node's KV events announce its blocks removed) and answered as a
 miss.  The scrub (``scrub.py``) reads every record again in the background at ``scrub_rate``, so
-a bad record nobody asks for is found too.
+a bad record nobody asks for is found too.  A read asked for before its segment is evicted is
+served all the same: ``read`` pins the segment as it looks the chunk up, and an eviction that
+finds its segment pinned keeps the data file open (``Segment.kept``) past unlinking its name, until
+the last pinned read is done.  Such a file's bytes outlast the eviction by as long as those reads
+take (bounded by the reads in flight); a restart never sees them (their name is gone).
 
 Deletes and flushes drop chunks from the index at once (and cancel queued writes), and journal
 a ``Deleted``/``Flushed`` entry so that a restart does not bring them back.
@@ -187,8 +191,8 @@ class DiskTier:
         self._journal_synced = time.monotonic()
         self._stall_until = 0.0
         self.counts = dict.fromkeys(("written", "written_bytes", "write_skipped", "too_large", "full",
-                                     "write_errors", "reads", "read_bytes", "read_errors", "corrupt", "evicted",
-                                     "evicted_segments", "carried", "carried_bytes", "carry_errors",
+                                     "write_errors", "reads", "read_bytes", "read_errors", "read_gone", "corrupt", "evicted",
+                                     "evicted_segments", "kept_for_reads", "carried", "carried_bytes", "carry_errors",
                                      "scrubbed", "scrubbed_bytes", "scrub_passes"), 0)
         self._scrubber: Scrubber | None = None
 
@@ -324,16 +328,39 @@ class DiskTier:
         return heapq.nsmallest(limit, keys)
 
     def read(self, key: bytes, done: Callable[[ReadResult], None]) -> None:
-        """Read ``key``'s chunk on a reader thread and call ``done`` there with the result."""
+        """Read ``key``'s chunk on a reader thread and call ``done`` there with the result.  Its
+        segment is pinned from here on: evicted meanwhile, it is still read (module docstring)."""
         with self.index.lock:
             location = self.index.entries.get(key)
-        if location is None or self._readers is None:
+            if location is None or self._readers is None:
+                segment = None
+            else:
+                segment = self.index.segments[location.segment]
+                segment.readers += 1
+        if segment is None:
+            if location is None:
+                with self.index.lock:
+                    self.counts["read_gone"] += 1
             done(ReadResult(missing="gone"))
             return
         try:
-            self._readers.submit(self._read, key, location, done)
+            future = self._readers.submit(self._read, key, location, done, segment)
         except RuntimeError:  # shutting down
+            self._unpin(segment)
             done(ReadResult(missing="gone"))
+            return
+        # A read cancelled before it ran (the tier closing) lets go of its pin too.
+        future.add_done_callback(lambda f: self._unpin(segment) if f.cancelled() else None)
+
+    def _unpin(self, segment: Segment) -> None:
+        """A read of ``segment`` is done: the last one closes the file an eviction kept open."""
+        with self.index.lock:
+            segment.readers -= 1
+            fd = segment.kept if segment.readers == 0 else -1
+            if fd >= 0:
+                segment.kept = -1
+        if fd >= 0:
+            os.close(fd)
 
     def blocks_of(self, location: Location, done: Callable[[ChunkBlocks | None], None]) -> None:
         """Read the vLLM blocks a chunk's journal entry records (for the KV events of a chunk
@@ -388,19 +415,36 @@ class DiskTier:
 
     # ---- reads (reader threads) ---------------------------------------------------------------
 
-    def _read(self, key: bytes, location: Location, done: Callable[[ReadResult], None]) -> None:
+    def _read(self, key: bytes, location: Location, done: Callable[[ReadResult], None],
+              pinned: Segment | None = None) -> None:
+        """``read``'s work on a reader thread; ``pinned``: the segment ``read`` pinned (unpinned
+        here), whose kept file serves the read if the segment was evicted since."""
+        try:
+            self._read_pinned(key, location, done, pinned)
+        finally:
+            if pinned is not None:
+                self._unpin(pinned)
+
+    def _read_pinned(self, key: bytes, location: Location, done: Callable[[ReadResult], None],
+                     pinned: Segment | None) -> None:
         self.wait_if_stalled()
         try:
             try:
                 meta, buf = self.read_record(key, location)
-            except FileNotFoundError:  # its segment was evicted since: carried forward meanwhile?
+            except FileNotFoundError:  # its segment was evicted since: kept open, or carried forward?
                 with self.index.lock:
+                    kept = pinned.kept if pinned is not None else -1
                     moved = self.index.entries.get(key)
-                if moved is None or moved.segment == location.segment:
-                    raise
-                location = moved
-                meta, buf = self.read_record(key, location)
+                if kept >= 0:
+                    meta, buf = self.read_record(key, location, fd=kept)
+                else:
+                    if moved is None or moved.segment == location.segment:
+                        raise
+                    location = moved
+                    meta, buf = self.read_record(key, location)
         except FileNotFoundError:
+            with self.index.lock:
+                self.counts["read_gone"] += 1
             result = ReadResult(missing="gone")  # its segment was evicted since
         except BadRecord as exc:
             self.drop_bad(key, location, str(exc))
@@ -428,12 +472,16 @@ class DiskTier:
             return meta
         return msgspec.structs.replace(meta, blocks=decode_blocks(entry.blocks))
 
-    def read_record(self, key: bytes, location: Location, take: Callable[[int], object] | None = None
-                    ) -> tuple[ChunkMeta, object]:
+    def read_record(self, key: bytes, location: Location, take: Callable[[int], object] | None = None,
+                    fd: int = -1) -> tuple[ChunkMeta, object]:
         """The record at ``location``, checked whole (``BadRecord`` if it is not ``key``'s), its
-        payload in a buffer from ``take`` (default: the node's pool); its pages leave the page cache."""
-        fd = os.open(os.path.join(self.directory, segment_name(location.segment, DATA_SUFFIX)),
-                     os.O_RDONLY | os.O_CLOEXEC)
+        payload in a buffer from ``take`` (default: the node's pool); its pages leave the page cache.
+        ``fd``: its segment's data file, open already (an evicted segment's, kept for pinned reads;
+        left open), else opened by name."""
+        own = fd < 0
+        if own:
+            fd = os.open(os.path.join(self.directory, segment_name(location.segment, DATA_SUFFIX)),
+                         os.O_RDONLY | os.O_CLOEXEC)
         try:
             head = os.pread(fd, min(location.length, HEAD_READ), location.offset)
             meta, start = parse_head(head, key)
@@ -450,7 +498,8 @@ class DiskTier:
                 have += n
         finally:
             os.posix_fadvise(fd, location.offset, location.length, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            if own:
+                os.close(fd)
         check_payload(meta, buf)
         return meta, buf
 
@@ -630,9 +679,13 @@ class DiskTier:
         if carry and self.config.eviction is Eviction.SECOND_CHANCE:
             journal = self._carry_forward(number)
         with self._cond:
+            segment = self.index.segments[number]
             keys = self.index.drop_segment(number)
             self.counts["evicted"] += len(keys)
             self.counts["evicted_segments"] += 1
+            pinned = segment.readers > 0
+        if pinned:
+            self._keep_for_readers(segment)
         if self.on_gone is not None and keys and journal is None:
             journal = self._journal_of(number)
         for suffix in (DATA_SUFFIX, JOURNAL_SUFFIX):
@@ -644,6 +697,23 @@ class DiskTier:
             for key in keys:
                 stored = journal.get(key)
                 self.on_gone(key, decode_blocks(stored.blocks) if stored is not None else None)
+
+    def _keep_for_readers(self, segment: Segment) -> None:
+        """Keep an evicted segment's data file open for the reads that pinned it (before its
+        name is unlinked); the last of them closes it (``_unpin``)."""
+        try:
+            fd = os.open(os.path.join(self.directory, segment_name(segment.number, DATA_SUFFIX)),
+                         os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            logger.warning("disk %s: evicted segment %d cannot be kept open for the reads under way (%s): they "
+                           "miss", self.directory, segment.number, exc.strerror)
+            return
+        with self._cond:
+            if segment.readers > 0:
+                segment.kept, fd = fd, -1
+                self.counts["kept_for_reads"] += 1
+        if fd >= 0:  # its reads ended meanwhile
+            os.close(fd)
 
     def _carry_forward(self, number: int) -> dict[bytes, Stored] | None:
         """Copy the records of segment ``number`` read since they were written to the end of the

@@ -130,8 +130,9 @@ class _Tally:
 
 
 def _replay(client: ClusterClient, keys_of: list[list[bytes]], lru: IdealLRU, block_bytes: int,
-            load_hits: str, console: Console) -> _Tally:
-    """Replay every request in order (LOOKUP, GET the hit prefix, PUT the absent blocks)."""
+            load_hits: str, console: Console, lease_ms: int = 0) -> _Tally:
+    """Replay every request in order (LOOKUP, GET the hit prefix, PUT the absent blocks);
+    ``lease_ms``: the LOOKUP's lease, as the connector's keeps what it found for its load."""
     n = len(keys_of)
     tally = _Tally(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
     sizes = np.cumsum([len(keys) for keys in keys_of])
@@ -142,7 +143,7 @@ def _replay(client: ClusterClient, keys_of: list[list[bytes]], lru: IdealLRU, bl
         task = progress.add_task("replaying", total=n, hit=0.0, ideal=0.0)
         for i, keys in enumerate(keys_of):
             if keys:
-                present = client.lookup(keys)
+                present = client.lookup(keys, lease_ms)
                 hit = prefix_hits(present)
                 owner = client.ring.primaries(keys)
                 tally.lookup.update(owner)

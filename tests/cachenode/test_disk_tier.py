@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from polling import wait_for
 
 from kvring.cachenode.disk.identity import DiskIdentity, DiskInUse
 from kvring.cachenode.disk.records import DATA_SUFFIX, JOURNAL_SUFFIX, segment_name
@@ -316,6 +317,60 @@ def test_a_read_that_finds_its_segment_gone_follows_the_chunk_carried_forward(tm
     tier._read(items[1].key, dataclasses.replace(held, offset=0), out.append)
     assert out[1].missing == "gone"
     tier.close()
+
+
+def _open_deleted(path) -> list[str]:
+    """This process's open files under ``path`` whose names are gone (unlinked, still open)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)) and target.endswith(" (deleted)"):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("end", ["served", "cancelled by close"])
+def test_a_read_asked_for_before_its_segment_is_evicted_is_served_from_the_file_kept_open(tmp_path, end):
+    """``read`` pins the chunk's segment as it looks the chunk up; evicted before the reader gets
+    to it (one reader thread, busy with a held read), the segment's data file is kept open past
+    its unlinking, the read is served whole from it, and the last pinned read closes it.  A read
+    cancelled by ``close`` before it ran lets go of its pin too: no file is left open."""
+    tier, _ = _second_chance_tier(tmp_path, read_threads=1, eviction="fifo")
+    items = [_item(1 << 20) for _ in range(80)]
+    _write(tier, items[:40])
+    first = tier.location(items[0].key).segment
+    release, started = threading.Event(), threading.Event()
+    read_record = tier.read_record
+
+    def held(key, location, take=None, fd=-1):
+        if key == items[0].key:
+            started.set()
+            assert release.wait(30)
+        return read_record(key, location, take, fd)
+
+    tier.read_record = held
+    out: dict[bytes, ReadResult] = {}
+    done = threading.Event()
+    for item in items[:2]:  # the first holds the only reader; the second waits behind it
+        tier.read(item.key, lambda result, key=item.key: (out.__setitem__(key, result), len(out) == 2 and done.set()))
+    assert started.wait(10)
+    _write(tier, items[40:])
+    assert items[0].key not in tier and items[1].key not in tier  # their segment went
+    assert not os.path.exists(tmp_path / segment_name(first, DATA_SUFFIX))
+    assert tier.stats()["kept_for_reads"] == 1 and len(_open_deleted(tmp_path)) == 1
+    if end == "cancelled by close":
+        tier.close()  # the second read never runs
+    release.set()
+    if end == "served":
+        assert done.wait(10)
+        for item in items[:2]:
+            assert out[item.key].meta is not None and bytes(out[item.key].buf) == bytes(item.payload)
+        assert tier.stats()["read_gone"] == 0
+        tier.close()
+    wait_for(lambda: not _open_deleted(tmp_path), 10, "the kept file closed")
 
 
 def test_an_evicted_segment_carries_at_most_half_its_bytes_and_fifo_carries_none(tmp_path):

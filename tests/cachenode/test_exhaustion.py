@@ -23,7 +23,7 @@ from kvring.cachenode.client import ClusterClient
 from kvring.cachenode.framing import MAGIC, PREFIX, pack
 from kvring.common import protocol as P
 from kvring.common.chunk import ChunkItem, ChunkMeta
-from kvring.common.errors import KVRingError, NoOwners
+from kvring.common.errors import KVRingError
 from kvring.common.records import split_data_addr
 
 MiB = 1 << 20

@@ -10,7 +10,6 @@ import os
 import random
 import select
 import socket
-import ssl
 import threading
 import time
 

@@ -41,11 +41,16 @@ class _Node:
         self.disk.open()
         self.holdings = Holdings(ChunkStore(4 * MIB), self.disk, self.server)
         self._held: dict[bytes, threading.Event] = {}
+        self._before: dict[bytes, threading.Event] = {}
         self.paused = threading.Event()
         read_record = self.disk.read_record
 
-        def held_read(key, location, take=None):
-            got = read_record(key, location, take)
+        def held_read(key, location, take=None, fd=-1):
+            before = self._before.get(key)
+            if before is not None:  # held before it opens its segment's file
+                self.paused.set()
+                assert before.wait(30)
+            got = read_record(key, location, take, fd)
             release = self._held.get(key)
             if release is not None:
                 self.paused.set()
@@ -150,3 +155,27 @@ def test_a_read_whose_chunk_is_deleted_meanwhile_never_brings_it_back(node, how)
 
     entry = node.fetch_held(other.key, flush_a)
     assert entry is not None and bytes(entry.buf) == bytes(other.payload) and _in_memory(node, other.key)
+
+
+def test_a_leased_lookup_holds_a_chunk_on_disk_through_its_segments_eviction(node):
+    """A LOOKUP that leases a chunk only on disk promises the GET that follows (a worker is about
+    to load it).  Its read starts at once; the chunk's segment is evicted before the read gets to
+    the file, and a GET comes while the read is still under way.  The GET waits for that read
+    (not a miss because the disk no longer names the chunk), is served the chunk whole, and
+    memory holds it under the LOOKUP's lease."""
+    items = [_item() for _ in range(80)]
+    node.put(items[:40])
+    first = items[0]
+    assert not _in_memory(node, first.key) and node.disk.holds(first.key)
+    before = node._before[first.key] = threading.Event()
+    assert node.server.call(lambda: node.holdings.lookup([first.key], 30_000)) == [True]
+    assert node.paused.wait(10), "the LOOKUP started no read"
+    node.put(items[40:])
+    assert not node.disk.holds(first.key) and node.disk.stats()["kept_for_reads"] == 1  # its segment went
+    answered, out = threading.Event(), []
+    node.server.call(lambda: node.holdings.fetch([first.key], lambda entries: (out.append(entries[0]), answered.set())))
+    assert not answered.wait(0.3), "the GET did not wait for the read under way"
+    before.set()
+    assert answered.wait(10) and out[0] is not None and bytes(out[0].buf) == bytes(first.payload)
+    assert node.server.call(lambda: node.holdings.store.leased_bytes()) >= len(first.payload)
+    assert node.disk.stats()["read_gone"] == 0 and node.holdings.prefetched == 1
