@@ -45,7 +45,7 @@ class Segment:
     journal: int = 0  # journal bytes
     keys: list[bytes] = field(default_factory=list)
     # Keys served from this segment since it was written (their second chance when it is evicted:
-    # ``DiskTier._carry_forward``); not kept over a restart.
+    # ``DiskTier._carry_forward``); kept over a graceful stop (``marks.py``), not over a crash.
     read: set[bytes] = field(default_factory=set)
     readers: int = 0  # reads asked for and not done (``DiskTier.read``: pinned)
     kept: int = -1  # evicted while pinned: its data file, open until the last of them is done
@@ -60,6 +60,7 @@ class RebuildReport:
     chunks: int = 0
     bytes: int = 0
     cleared: str = ""  # why the directory was cleared ("" if it was not)
+    read_marks: int = 0  # second-chance marks a graceful stop kept, taken back (``marks.py``)
     # What was dropped: journal bytes of torn entries, data bytes past the last journaled record,
     # entries naming bytes the data file does not have, segments missing one of their files, and
     # the bytes of the oldest segments over a capacity lowered since they were written.
@@ -69,7 +70,7 @@ class RebuildReport:
 
     def as_dict(self) -> dict:
         return {"seconds": round(self.seconds, 3), "segments": self.segments, "chunks": self.chunks,
-                "bytes": self.bytes, "cleared": self.cleared, "dropped": dict(self.dropped)}
+                "bytes": self.bytes, "cleared": self.cleared, "read_marks": self.read_marks, "dropped": dict(self.dropped)}
 
 
 class DiskIndex:

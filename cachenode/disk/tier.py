@@ -24,7 +24,8 @@ copied, file to file in the kernel (``copy_file_range``), to the end of the open
 journaled there (``carried``): a chunk in use outlives the cycling, and goes the next time round
 unless it is read again meanwhile.  An evicted segment carries at most half its bytes (each
 eviction frees at least the other half, so the cycling cannot chase its own tail), and the open
-segment never grows past twice ``segment_bytes`` with them.  ``fifo`` carries nothing.
+segment never grows past twice ``segment_bytes`` with them.  ``fifo`` carries nothing.  What
+was read is kept over a graceful stop (``marks.py``).
 
 Reads: ``read`` runs on a pool of ``read_threads`` threads, into a buffer from the node's pool;
 every record is checked (``records.parse_head``, ``records.check_payload``) before it is handed
@@ -67,6 +68,7 @@ from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
 from .identity import DiskError, DiskIdentity, claim_directory, lock_directory
 from .index import DiskIndex, Location, RebuildReport, Segment, rebuild
+from .marks import load_marks, save_marks
 from .records import (DATA_SUFFIX, ENTRY_HEAD, JOURNAL_SUFFIX, BadRecord, Deleted, Flushed, Stored, blocks_bytes,
                       check_payload, decode_blocks, decode_entries, decode_entry_at, encode_entry, parse_head,
                       record_head, segment_name)
@@ -206,6 +208,7 @@ class DiskTier:
             self._next_number = rebuild(self.directory, self.index, self.report)
             self._open_segment()
             self._trim_to_capacity()
+            self.report.read_marks = load_marks(self.directory, self.index)
         except OSError as exc:
             os.close(self._lock_fd)
             raise DiskError(f"cannot use --disk-dir {self.directory}: {exc}") from None
@@ -237,6 +240,12 @@ class DiskTier:
             self._readers.shutdown(wait=False, cancel_futures=True)
         if not (self._writer and self._writer.is_alive()):
             self._close_segment()
+            if self.config.eviction is Eviction.SECOND_CHANCE and self._lock_fd >= 0:
+                try:
+                    save_marks(self.directory, self.index)
+                except OSError as exc:
+                    logger.warning("disk %s: the read marks could not be kept for the next start (%s)",
+                                   self.directory, exc.strerror)
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1

@@ -106,11 +106,13 @@ def test_a_chunk_in_use_outlasts_the_disks_cycling_and_a_restart(cluster_factory
         assert _disk(client, "node-0")["reads"] == 1  # from the disk: memory restarted empty
 
 
-@pytest.mark.parametrize("eviction", ["second-chance", "fifo"])
-def test_a_chunk_read_from_disk_gets_a_second_chance_when_its_segment_goes(cluster_factory, eviction):
+@pytest.mark.parametrize("eviction,restart", [("second-chance", False), ("second-chance", True), ("fifo", False)],
+                         ids=["second-chance", "second-chance, restarted after the read", "fifo"])
+def test_a_chunk_read_from_disk_gets_a_second_chance_when_its_segment_goes(cluster_factory, eviction, restart):
     """A chunk read from disk once (promoted into memory, then let go by memory again) is copied to
     the newest segment when its own goes, so a later request finds it: with the default
-    ``second-chance`` eviction.  ``--disk-eviction fifo`` lets it go with its segment."""
+    ``second-chance`` eviction, also where the node was restarted (SIGTERM: a rolling upgrade)
+    between the read and the eviction.  ``--disk-eviction fifo`` lets it go with its segment."""
     cluster = cluster_factory(nodes=1, memory=4 << 20, disk=48 << 20, node_args=["--disk-eviction", eviction])
     warm = 0
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
@@ -118,6 +120,9 @@ def test_a_chunk_read_from_disk_gets_a_second_chance_when_its_segment_goes(clust
         assert client.put_many([_item(i) for i in range(33)]) == [1] * 33  # memory (16 chunks) lets warm go
         wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
         assert _served(client, [warm]) == ([warm], []) and _disk(client, "node-0")["reads"] == 1
+        if restart:
+            cluster.restart(0)  # memory comes back empty; the disk's marks come back
+            assert client.wait_for_nodes(1) and _disk(client, "node-0")["rebuild"]["read_marks"] == 1
         for start in range(33, 321, 8):  # 80 MiB through a 48 MiB disk: warm's segment goes
             assert client.put_many([_item(i) for i in range(start, start + 8)]) == [1] * 8
         wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")

@@ -16,6 +16,7 @@ import pytest
 from polling import wait_for
 
 from kvring.cachenode.disk.identity import DiskIdentity, DiskInUse
+from kvring.cachenode.disk.marks import MARKS_FILE
 from kvring.cachenode.disk.records import DATA_SUFFIX, JOURNAL_SUFFIX, segment_name
 from kvring.cachenode.disk.tier import DiskConfig, DiskTier, ReadResult
 from kvring.common.chunk import ChunkBlocks, ChunkItem
@@ -264,6 +265,35 @@ def test_a_segment_carries_what_was_read_from_it_forward_once(tmp_path, monkeypa
     _write(tier, items[80:160])  # nobody reads them now: they go with their new segment
     assert not any(items[i].key in tier for i in range(4)) and tier.stats()["carried"] == 0
     assert {items[0].key, items[3].key} <= {k for k, _ in gone}
+    tier.close()
+
+
+@pytest.mark.parametrize("marks", ["kept", "damaged"])
+def test_what_was_read_keeps_its_second_chance_over_a_graceful_stop(tmp_path, caplog, marks):
+    """A graceful stop (a rolling upgrade) writes what was read from each segment; the next start
+    takes it back, so the first eviction after it still carries what was read before it.  A
+    damaged file is ignored with a log line (nothing carried, nothing wrong); either way the file
+    is gone after the start."""
+    tier, _ = _second_chance_tier(tmp_path)
+    items = [_item(1 << 20) for _ in range(80)]
+    _write(tier, items[:40])
+    assert all(_same(tier, item) for item in items[:3])  # read: marked
+    tier.close()
+    path = tmp_path / MARKS_FILE
+    assert path.exists()
+    if marks == "damaged":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kvring.cachenode.disk.marks"):
+        tier, _ = _second_chance_tier(tmp_path)
+    assert not path.exists()
+    _write(tier, items[40:])  # the first segment goes
+    carried = 3 if marks == "kept" else 0
+    assert tier.stats()["rebuild"]["read_marks"] == carried and tier.stats()["carried"] == carried
+    assert [item.key in tier for item in items[:4]] == [marks == "kept"] * 3 + [False]
+    assert all(_intact(tier, item) for item in items[:carried])
+    assert ("damaged" in caplog.text) == (marks == "damaged")
     tier.close()
 
 

@@ -1,0 +1,87 @@
+"""The second-chance marks kept over a graceful stop.
+
+Each segment remembers the keys served from it since they were written (``Segment.read``): the
+chunks its eviction carries forward (``DiskTier._carry_forward``).  They live in memory; a node
+that stops gracefully (SIGTERM: a rolling upgrade, a drain) writes them to ``MARKS_FILE`` in its
+directory after its last write, and the next start takes them back once the index is rebuilt,
+then removes the file.  A crash keeps none (the file is written only at a stop), and what a
+start takes is only a hint checked against the index: a mark counts only where the index still
+places its key in the segment it names, so a stale, foreign or damaged file can mark nothing
+wrong.  A damaged file (its checksum, its encoding) is ignored with a log line.
+
+Format: ``MAGIC``, the body's length and XXH3-64 (``<QQ``), then the body: msgpack of
+``[[segment number, [key, ...]], ...]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+
+import msgspec
+import xxhash
+
+from .index import DiskIndex
+
+logger = logging.getLogger(__name__)
+
+MARKS_FILE = "read-marks"
+MAGIC = b"KVRm"
+_HEAD = struct.Struct("<4sQQ")
+_decode = msgspec.msgpack.Decoder(list[tuple[int, list[bytes]]]).decode
+
+
+def save_marks(directory: str, index: DiskIndex) -> int:
+    """Write every segment's marks (atomically: a temporary file renamed over the last); how many."""
+    with index.lock:
+        marks = [(number, sorted(segment.read)) for number, segment in index.segments.items() if segment.read]
+    if not marks:
+        return 0
+    body = msgspec.msgpack.encode(marks)
+    path = os.path.join(directory, MARKS_FILE)
+    with open(path + ".tmp", "wb") as f:
+        f.write(_HEAD.pack(MAGIC, len(body), xxhash.xxh3_64_intdigest(body)) + body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return sum(len(keys) for _, keys in marks)
+
+
+def load_marks(directory: str, index: DiskIndex) -> int:
+    """Mark again what a graceful stop saved, where the index agrees, and remove the file; how
+    many marks were taken back (0: no file, or a damaged one)."""
+    path = os.path.join(directory, MARKS_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    finally:
+        for name in (path, path + ".tmp"):
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
+    try:
+        magic, length, digest = _HEAD.unpack_from(data)
+        body = data[_HEAD.size:]
+        if magic != MAGIC or length != len(body) or xxhash.xxh3_64_intdigest(body) != digest:
+            raise ValueError("its header or checksum does not match")
+        marks = _decode(body)
+    except (struct.error, ValueError, msgspec.DecodeError) as exc:
+        logger.warning("disk %s: the read marks kept over the last stop are damaged (%s); starting without them",
+                       directory, exc)
+        return 0
+    taken = 0
+    with index.lock:
+        for number, keys in marks:
+            segment = index.segments.get(number)
+            if segment is None:
+                continue
+            for key in keys:
+                location = index.entries.get(key)
+                if location is not None and location.segment == number:
+                    segment.read.add(key)
+                    taken += 1
+    return taken
