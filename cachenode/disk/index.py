@@ -70,7 +70,8 @@ class RebuildReport:
 
     def as_dict(self) -> dict:
         return {"seconds": round(self.seconds, 3), "segments": self.segments, "chunks": self.chunks,
-                "bytes": self.bytes, "cleared": self.cleared, "read_marks": self.read_marks, "dropped": dict(self.dropped)}
+                "bytes": self.bytes, "cleared": self.cleared, "read_marks": self.read_marks,
+                "dropped": dict(self.dropped)}
 
 
 class DiskIndex:

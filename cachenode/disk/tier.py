@@ -193,9 +193,9 @@ class DiskTier:
         self._journal_synced = time.monotonic()
         self._stall_until = 0.0
         self.counts = dict.fromkeys(("written", "written_bytes", "write_skipped", "too_large", "full",
-                                     "write_errors", "reads", "read_bytes", "read_errors", "read_gone", "corrupt", "evicted",
-                                     "evicted_segments", "kept_for_reads", "carried", "carried_bytes", "carry_errors",
-                                     "scrubbed", "scrubbed_bytes", "scrub_passes"), 0)
+                                     "write_errors", "reads", "read_bytes", "read_errors", "read_gone", "corrupt",
+                                     "evicted", "evicted_segments", "kept_for_reads", "carried", "carried_bytes",
+                                     "carry_errors", "scrubbed", "scrubbed_bytes", "scrub_passes"), 0)
         self._scrubber: Scrubber | None = None
 
     # ---- start and stop (the node's main thread) ------------------------------------------------
@@ -341,15 +341,13 @@ class DiskTier:
         segment is pinned from here on: evicted meanwhile, it is still read (module docstring)."""
         with self.index.lock:
             location = self.index.entries.get(key)
-            if location is None or self._readers is None:
-                segment = None
-            else:
+            segment = None
+            if location is None:
+                self.counts["read_gone"] += 1  # evicted since the caller found it
+            elif self._readers is not None:
                 segment = self.index.segments[location.segment]
                 segment.readers += 1
         if segment is None:
-            if location is None:
-                with self.index.lock:
-                    self.counts["read_gone"] += 1
             done(ReadResult(missing="gone"))
             return
         try:
