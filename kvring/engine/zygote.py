@@ -94,6 +94,8 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self._errors.close()
 
 
