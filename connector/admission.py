@@ -49,6 +49,9 @@ PROBE_INTERVAL_S = 2.0  # between probes of a node whose last probe failed, and 
 SLACK_S = 0.05
 _MIN_RATE_BYTES = 64 << 10  # a transfer smaller than this measures latency only
 _MIN_DEADLINE_S = 0.2
+# A layerwise or bulk load holds its whole step (every request of the batch), and abandoning it
+# recomputes its blocks in the next one: it is given longer before it is.
+_MIN_SYNC_DEADLINE_S = 1.0
 
 
 class Refusal(StrEnum):
@@ -212,11 +215,14 @@ class LoadCostModel:
             return Decision(True, load_s, recompute_s, Refusal.SLOWER, probe=True)
         return Decision(False, load_s, recompute_s, Refusal.SLOWER)
 
-    def deadline_s(self, tokens: int) -> float:
-        """How long an asynchronous load of ``tokens`` may take before it is abandoned."""
+    def deadline_s(self, tokens: int, asynchronous: bool = True) -> float:
+        """How long a load of ``tokens`` may take before it is abandoned: ``load_deadline_s`` if
+        set, else twice its predicted recompute time, at least 0.2 s (1 s for a layerwise or bulk
+        load, which holds its step), at most the node timeout."""
         if self.load_deadline_s > 0:
             return self.load_deadline_s
         rate = self.prefill_rate
         if rate is None:
             return self.timeout_s
-        return min(self.timeout_s, max(_MIN_DEADLINE_S, 2 * tokens / rate))
+        floor = _MIN_DEADLINE_S if asynchronous else _MIN_SYNC_DEADLINE_S
+        return min(self.timeout_s, max(floor, 2 * tokens / rate))

@@ -47,8 +47,8 @@ class ConnectorConfig:
     # The scheduler may wait this long per step, in total, for lookups already in flight, so a
     # request is not put off a whole step for a lookup that answers in a millisecond (0: never).
     lookup_wait_ms: float = 2.0
-    # async mode: abandon a load (its blocks recompute) after this many milliseconds; 0 = twice
-    # the predicted recompute time, within [200 ms, timeout].
+    # Abandon a load (its blocks recompute) after this many milliseconds; 0 = twice the predicted
+    # recompute time, within [200 ms, timeout] for async, [1 s, timeout] for layerwise and bulk.
     load_deadline_ms: float = 0.0
     # Do not start a load that is predicted to take longer than recomputing its tokens (from
     # the load bandwidth and the prefill speed this instance measured).

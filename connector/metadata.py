@@ -23,9 +23,10 @@ class LoadSpec:
     # writes the slots vLLM computes in this step (the rest of the last token's block), so it
     # lands before the forward, and vLLM's own write of those tokens after it.
     computed_from: int | None = None
-    # async mode: load between steps while the request waits (done through get_finished), and
-    # abandon the load (its blocks recompute) after this many seconds.
+    # async mode: load between steps while the request waits (done through get_finished).
     asynchronous: bool = False
+    # Abandon the load (its blocks recompute) after this many seconds (0: never; a layerwise or
+    # bulk load's step waits for it up to then).
     deadline_s: float = 0.0
     # A hybrid layout: per sliding window, the first token its layers are written from (vLLM
     # keeps that window's group blocks only from there: ``parts.window_start``).

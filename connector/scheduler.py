@@ -257,8 +257,9 @@ class SchedulerSide:
                             deadline_s=self.cost.deadline_s(num_external_tokens), window_from=window_from)
             self._async_loads[request.request_id] = (load, [list(b) for b in blocks.get_block_ids()])
         else:
-            self._pending_load[request.request_id] = LoadSpec(keys, start, vllm_cached, end, computed_from=hit_tokens,
-                                                              window_from=window_from)
+            self._pending_load[request.request_id] = LoadSpec(
+                keys, start, vllm_cached, end, computed_from=hit_tokens, window_from=window_from,
+                deadline_s=self.cost.deadline_s(num_external_tokens, asynchronous=False))
 
     def build_connector_meta(self, scheduler_output) -> KVRingMetadata:
         start = time.perf_counter()

@@ -38,7 +38,7 @@ COUNTERS: dict[str, str] = {
     "load_seconds": "Seconds spent loading (fetch, verify, copy into the paged cache)",
     "prefill_seconds_avoided": "Seconds the prompt tokens vLLM was told to load would have taken to compute, at "
                                "this instance's measured prefill speed (none counted until it has measured one)",
-    "loads_abandoned": "Asynchronous loads abandoned past their deadline (their blocks recompute)",
+    "loads_abandoned": "Loads abandoned past their deadline (their blocks recompute)",
     "saved_parts": "Chunk parts saved to the kvring cluster (one per KV head and pipeline stage a worker stores)",
     "saved_bytes": "Bytes of KV saved to the kvring cluster",
     "save_seconds": "Seconds spent saving (copy out, send, until every replica answered)",

@@ -14,8 +14,10 @@ CUDA) are in ``copies.py``.
 Three load modes: ``layerwise`` (one job per step on a thread; layer ``l`` of every chunk
 gates ``wait_for_layer_load(l)``), ``bulk`` (the whole job before the forward) and ``async``
 (one job per request on a pool, between steps: the request waits in vLLM's remote-KV state
-and is reported done by ``get_finished``; a load past its deadline is abandoned — no copy
-lands in its blocks after that — and its blocks recompute).
+and is reported done by ``get_finished``).  A load past its deadline (``LoadSpec.deadline_s``)
+is abandoned — no copy lands in its blocks after that — and its blocks recompute: an async one
+when ``get_finished`` finds it late, a layerwise or bulk one when the forward has waited for it
+that long (a node that hangs mid-load holds the step until then, not for the node timeout).
 
 A hybrid model (vLLM's hybrid KV-cache manager: a block table per KV-cache group, sliding-window
 groups keeping only their window's blocks) is loaded and saved group by group: each layer goes
@@ -276,8 +278,20 @@ class _LoadJob:
         self.failed_blocks |= blocks
         return len(blocks)
 
-    def wait(self, layer: int) -> None:
-        self.layer_done[layer].wait()
+    def wait(self, event: threading.Event) -> None:
+        """Wait for ``event`` (a layer's, or ``finished``), up to the load's deadline; past it,
+        abandon the load (its blocks recompute).  An abandoned load waits for nothing."""
+        if self.abandoned:
+            return
+        if self.deadline is None:
+            event.wait()
+        elif not event.wait(max(0.0, self.deadline - time.monotonic())):
+            self.abandon()
+            if self.abandoned:  # (it may have finished just then)
+                logger.warning("kvring: load of %d chunk parts abandoned after %.2f s (deadline); its blocks "
+                               "recompute", len(self.keys), time.perf_counter() - self.started)
+                # Nothing it issued may land later, on blocks vLLM recomputes.
+                self.worker.copies.synchronize()
 
 
 class _SavePart(NamedTuple):
@@ -331,6 +345,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._load: _LoadJob | None = None
         self._load_thread: threading.Thread | None = None
+        self._abandoned: list[threading.Thread] = []  # abandoned loads' threads, ending by themselves
         self._failed: set[int] = set()
         self._failed_loads: set[str] = set()  # several KV-cache groups: requests whose load failed
         self._unstarted: set[str] = set()  # async loads that failed before they started
@@ -405,14 +420,14 @@ class WorkerSide:
         # A load that reaches slots this step computes (a full hit's last block) is written
         # before the forward: vLLM writes those tokens' K/V before it waits for a layer's load
         # (on CUDA the forward's stream is ordered after the load's copies, its writes last).
-        if self.config.load_mode == "bulk" or any(r.load.computed_from is not None and r.load.end > r.load.computed_from
-                                                  for r in loads):
-            job.run()
-            self._failed |= job.failed_blocks
+        before_forward = self.config.load_mode == "bulk" or any(
+            r.load.computed_from is not None and r.load.end > r.load.computed_from for r in loads)
+        self._load_thread = threading.Thread(target=job.run, name="kvring-load", daemon=True)
+        self._load_thread.start()
+        if before_forward:
+            job.wait(job.finished)
+            self._join_load()
             self.copies.order_before_forward()
-        else:
-            self._load_thread = threading.Thread(target=job.run, name="kvring-load", daemon=True)
-            self._load_thread.start()
 
     def _start_async(self, req: ReqMeta) -> None:
         job = _LoadJob(self, [req])
@@ -503,15 +518,21 @@ class WorkerSide:
         job = self._load
         if job is None:
             return
-        job.wait(self._layer_index[layer_name])
-        self.copies.before_layer(self._layer_index[layer_name])
-        if self._layer_index[layer_name] == len(self.layer_names) - 1:
+        layer = self._layer_index[layer_name]
+        job.wait(job.layer_done[layer])
+        self.copies.before_layer(layer)
+        if layer == len(self.layer_names) - 1:
             self._join_load()
 
     def _join_load(self) -> None:
-        """Wait for a layerwise load's thread and collect its failed blocks."""
+        """Wait for the step's load thread and collect its failed blocks.  An abandoned load's
+        thread is left to end by itself (its node may hang until the timeout): nothing it
+        receives lands any more."""
         if self._load_thread is not None:
-            self._load_thread.join()
+            if self._load.abandoned:
+                self._abandoned = [t for t in self._abandoned if t.is_alive()] + [self._load_thread]
+            else:
+                self._load_thread.join()
             self._failed |= self._load.failed_blocks
             self._load_thread = None
 
@@ -617,4 +638,6 @@ class WorkerSide:
         for job in self._async_jobs.values():
             job.abandon()
         self._async_pool.shutdown(wait=True)
+        for thread in self._abandoned:  # each ends within the node timeout
+            thread.join()
         self._saver.shutdown(wait=True)

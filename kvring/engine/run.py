@@ -366,7 +366,7 @@ def connector_counters() -> dict[str, float]:
 def decision_between(before: dict[str, float], after: dict[str, float]) -> str:
     """What the connector did for one prompt, from its ``connector_counters`` before and after it
     (the prompt alone in its generate call): ``lookup past deadline`` or ``lookup failed`` (a
-    miss), ``refused (<reason>)`` (admission), ``abandoned`` (an async load past its deadline), ``load failed``
+    miss), ``refused (<reason>)`` (admission), ``abandoned`` (a load past its deadline), ``load failed``
     (its blocks recomputed), ``loaded (probe)``, ``loaded`` or ``miss``."""
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     if delta.get("lookups_past_deadline"):

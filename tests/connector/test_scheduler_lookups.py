@@ -263,7 +263,11 @@ def test_admission_measures_prefill_speed_robustly():
     # An async load may take up to twice the recompute it saves (within [0.2 s, timeout]).
     assert model.deadline_s(4096) == pytest.approx(2.0)
     assert model.deadline_s(10) == pytest.approx(0.2)
+    # A layerwise or bulk load holds its step: at least 1 s before it is abandoned.
+    assert model.deadline_s(4096, asynchronous=False) == pytest.approx(2.0)
+    assert model.deadline_s(10, asynchronous=False) == pytest.approx(1.0)
     assert LoadCostModel(1024, timeout_s=5.0, load_deadline_s=0.7).deadline_s(4096) == 0.7
+    assert LoadCostModel(1024, timeout_s=5.0, load_deadline_s=0.7).deadline_s(4096, asynchronous=False) == 0.7
 
 
 def test_a_stalled_load_marks_its_node_failing_and_its_recovery_is_trusted_within_seconds():

@@ -162,7 +162,9 @@ def test_a_node_stopped_or_killed_during_a_tp2_load_ends_in_a_recompute(runs):
     # num_cached_tokens still counts what the lookup found).  The output is the recompute's.
     assert failed[5] > failed[4] and r[5]["tokens"] == r[4]["tokens"]
     assert failed[6] > failed[5] and r[6]["tokens"] == r[0]["tokens"]
-    assert r[5]["ttft"] >= NODE_TIMEOUT  # the stopped node's parts failed at the connector's timeout
+    # The step waited for the stopped node's parts until the load's deadline (twice the predicted
+    # recompute, 1 s at least) or the connector's timeout, whichever came first.
+    assert r[5]["ttft"] >= 1.0
 
 
 @pytest.fixture(scope="module")

@@ -299,3 +299,47 @@ def test_an_async_load_past_its_deadline_is_abandoned_and_writes_nothing_after(c
     saver.shutdown()
     for w in (saver, loader):
         w.client.close()
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "bulk"])
+def test_a_step_waits_for_a_hung_node_no_longer_than_the_loads_deadline(cluster_factory, mode):
+    """A node that hangs mid-load holds a layerwise or bulk step (the forward waits for its
+    layers) only until the load's deadline, not for the node timeout: the load is abandoned then,
+    every block is reported failed (vLLM recomputes them), and when the node wakes up and
+    delivers, not one byte lands in those blocks.  The next step's load is not held by it."""
+    cluster = cluster_factory(nodes=1, memory=64 << 20)
+    keys = [bytes([i]) * 16 for i in range(30, 33)]
+    dst_blocks = list(range(40, 46))
+    saver = _saved(cluster, keys, list(range(8, 14)), 2048)
+    loader = _worker(cluster, mode)  # node timeout 2 s
+    loader.register_kv_caches(_caches(3, ch=2048))
+    before = {n: t.clone() for n, t in loader.kv_caches.items()}
+    node = cluster.nodes[0]
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        load = LoadSpec(keys, start=0, write_from=0, end=3 * CHUNK, deadline_s=0.3)
+        started = time.monotonic()
+        loader.start_load_kv(KVRingMetadata([ReqMeta("h", _slots(dst_blocks, 3 * CHUNK), dst_blocks, load=load)]))
+        for name in loader.layer_names:  # the forward
+            loader.wait_for_layer_load(name)
+        waited = time.monotonic() - started
+        assert 0.3 <= waited < 1.5  # at the deadline, not at the 2 s node timeout
+        assert loader.get_block_ids_with_load_errors() == set(dst_blocks)
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+    # The next step loads the same chunks into other blocks while the abandoned job may still run.
+    others = list(range(50, 56))
+    load = LoadSpec(keys, start=0, write_from=0, end=3 * CHUNK, deadline_s=10.0)
+    loader.start_load_kv(KVRingMetadata([ReqMeta("i", _slots(others, 3 * CHUNK), others, load=load)]))
+    for name in loader.layer_names:
+        loader.wait_for_layer_load(name)
+    assert loader.get_block_ids_with_load_errors() == set()
+    loader.shutdown()  # waits for the abandoned job's thread: the node answers now, and it must drop it all
+    for name in loader.layer_names:
+        assert torch.equal(loader.kv_caches[name][dst_blocks], before[name][dst_blocks])  # nothing landed late
+        assert torch.equal(loader.kv_caches[name][others], saver.kv_caches[name][8:14])
+    stats = loader.counters.take().data
+    assert stats["loads_abandoned"] == 1 and stats["failed_blocks"] == {"abandoned": 6}
+    saver.shutdown()
+    for w in (saver, loader):
+        w.client.close()
