@@ -287,7 +287,7 @@ def test_an_async_load_past_its_deadline_is_abandoned_and_writes_nothing_after(c
         loader.start_load_kv(KVRingMetadata([ReqMeta("c", _slots(dst_blocks, 3 * CHUNK), dst_blocks, load=load)]))
         _finished(loader, "c", timeout=3)
         waited = time.monotonic() - started
-        assert 0.3 <= waited < 1.5  # at the deadline, not at the 2 s node timeout
+        assert 0.3 <= waited < 1.5  # at the deadline, not at the client's 5 s node timeout
         assert loader.get_block_ids_with_load_errors() == set(dst_blocks)
     finally:
         os.kill(node.pid, signal.SIGCONT)
@@ -311,7 +311,7 @@ def test_a_step_waits_for_a_hung_node_no_longer_than_the_loads_deadline(cluster_
     keys = [bytes([i]) * 16 for i in range(30, 33)]
     dst_blocks = list(range(40, 46))
     saver = _saved(cluster, keys, list(range(8, 14)), 2048)
-    loader = _worker(cluster, mode)  # node timeout 2 s
+    loader = _worker(cluster, mode)
     loader.register_kv_caches(_caches(3, ch=2048))
     before = {n: t.clone() for n, t in loader.kv_caches.items()}
     node = cluster.nodes[0]
@@ -323,7 +323,7 @@ def test_a_step_waits_for_a_hung_node_no_longer_than_the_loads_deadline(cluster_
         for name in loader.layer_names:  # the forward
             loader.wait_for_layer_load(name)
         waited = time.monotonic() - started
-        assert 0.3 <= waited < 1.5  # at the deadline, not at the 2 s node timeout
+        assert 0.3 <= waited < 1.5  # at the deadline, not at the client's 5 s node timeout
         assert loader.get_block_ids_with_load_errors() == set(dst_blocks)
     finally:
         os.kill(node.pid, signal.SIGCONT)
