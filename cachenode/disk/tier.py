@@ -444,11 +444,11 @@ class DiskTier:
                     moved = self.index.entries.get(key)
                 if kept >= 0:
                     meta, buf = self.read_record(key, location, fd=kept)
-                else:
-                    if moved is None or moved.segment == location.segment:
-                        raise
+                elif moved is not None and moved.segment != location.segment:
                     location = moved
                     meta, buf = self.read_record(key, location)
+                else:
+                    raise
         except FileNotFoundError:
             with self.index.lock:
                 self.counts["read_gone"] += 1
@@ -487,8 +487,7 @@ class DiskTier:
         left open), else opened by name."""
         own = fd < 0
         if own:
-            fd = os.open(os.path.join(self.directory, segment_name(location.segment, DATA_SUFFIX)),
-                         os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open_data(location.segment)
         try:
             head = os.pread(fd, min(location.length, HEAD_READ), location.offset)
             meta, start = parse_head(head, key)
@@ -509,6 +508,10 @@ class DiskTier:
                 os.close(fd)
         check_payload(meta, buf)
         return meta, buf
+
+    def _open_data(self, number: int) -> int:
+        """Segment ``number``'s data file, opened for reading (its descriptor)."""
+        return os.open(os.path.join(self.directory, segment_name(number, DATA_SUFFIX)), os.O_RDONLY | os.O_CLOEXEC)
 
     def drop_bad(self, key: bytes, location: Location, why: str) -> None:
         with self._cond:
@@ -709,8 +712,7 @@ class DiskTier:
         """Keep an evicted segment's data file open for the reads that pinned it (before its
         name is unlinked); the last of them closes it (``_unpin``)."""
         try:
-            fd = os.open(os.path.join(self.directory, segment_name(segment.number, DATA_SUFFIX)),
-                         os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open_data(segment.number)
         except OSError as exc:
             logger.warning("disk %s: evicted segment %d cannot be kept open for the reads under way (%s): they "
                            "miss", self.directory, segment.number, exc.strerror)
@@ -741,7 +743,7 @@ class DiskTier:
             return None
         journal = self._journal_of(number)
         try:
-            src = os.open(os.path.join(self.directory, segment_name(number, DATA_SUFFIX)), os.O_RDONLY | os.O_CLOEXEC)
+            src = self._open_data(number)
         except OSError as exc:
             logger.warning("disk %s: segment %d cannot be read to carry its read chunks forward (%s): they go",
                            self.directory, number, exc.strerror)
