@@ -7,7 +7,8 @@ directory after its last write, and the next start takes them back once the inde
 then removes the file.  A crash keeps none (the file is written only at a stop), and what a
 start takes is only a hint checked against the index: a mark counts only where the index still
 places its key in the segment it names, so a stale, foreign or damaged file can mark nothing
-wrong.  A damaged file (its checksum, its encoding) is ignored with a log line.
+wrong.  A damaged file (its checksum, its encoding) or one that cannot be read is ignored with a
+log line: the node starts all the same.
 
 Format: ``MAGIC``, the body's length and XXH3-64 (``<QQ``), then the body: msgpack of
 ``[[segment number, [key, ...]], ...]``.
@@ -57,11 +58,15 @@ def load_marks(directory: str, index: DiskIndex) -> int:
             data = f.read()
     except FileNotFoundError:
         return 0
+    except OSError as exc:  # a hint: a node starts without it
+        logger.warning("disk %s: the read marks kept over the last stop cannot be read (%s); starting without "
+                       "them", directory, exc.strerror)
+        return 0
     finally:
         for name in (path, path + ".tmp"):
             try:
                 os.unlink(name)
-            except FileNotFoundError:
+            except OSError:  # gone already, or not a file of ours: the next start looks again
                 pass
     try:
         magic, length, digest = _HEAD.unpack_from(data)

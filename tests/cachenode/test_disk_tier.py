@@ -268,12 +268,12 @@ def test_a_segment_carries_what_was_read_from_it_forward_once(tmp_path, monkeypa
     tier.close()
 
 
-@pytest.mark.parametrize("marks", ["kept", "damaged"])
+@pytest.mark.parametrize("marks", ["kept", "damaged", "unreadable"])
 def test_what_was_read_keeps_its_second_chance_over_a_graceful_stop(tmp_path, caplog, marks):
     """A graceful stop (a rolling upgrade) writes what was read from each segment; the next start
     takes it back, so the first eviction after it still carries what was read before it.  A
-    damaged file is ignored with a log line (nothing carried, nothing wrong); either way the file
-    is gone after the start."""
+    damaged file, or one that cannot be read (a directory in its place), is ignored with a log
+    line: the node starts, nothing is carried, nothing wrong.  A file is gone after the start."""
     tier, _ = _second_chance_tier(tmp_path)
     items = [_item(1 << 20) for _ in range(80)]
     _write(tier, items[:40])
@@ -285,15 +285,19 @@ def test_what_was_read_keeps_its_second_chance_over_a_graceful_stop(tmp_path, ca
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
+    elif marks == "unreadable":
+        path.unlink()
+        path.mkdir()
     with caplog.at_level(logging.WARNING, logger="kvring.cachenode.disk.marks"):
         tier, _ = _second_chance_tier(tmp_path)
-    assert not path.exists()
+    assert path.is_dir() if marks == "unreadable" else not path.exists()
     _write(tier, items[40:])  # the first segment goes
     carried = 3 if marks == "kept" else 0
     assert tier.stats()["rebuild"]["read_marks"] == carried and tier.stats()["carried"] == carried
     assert [item.key in tier for item in items[:4]] == [marks == "kept"] * 3 + [False]
     assert all(_intact(tier, item) for item in items[:carried])
     assert ("damaged" in caplog.text) == (marks == "damaged")
+    assert ("cannot be read" in caplog.text) == (marks == "unreadable")
     tier.close()
 
 
