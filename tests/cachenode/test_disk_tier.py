@@ -366,13 +366,25 @@ def _open_deleted(path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("end", ["served", "cancelled by close"])
-def test_a_read_asked_for_before_its_segment_is_evicted_is_served_from_the_file_kept_open(tmp_path, end):
+@pytest.mark.parametrize("end", ["served", "cancelled by close", "not kept open"])
+def test_a_read_asked_for_before_its_segment_is_evicted_is_served_from_the_file_kept_open(tmp_path, caplog,
+                                                                                          monkeypatch, end):
     """``read`` pins the chunk's segment as it looks the chunk up; evicted before the reader gets
     to it (one reader thread, busy with a held read), the segment's data file is kept open past
     its unlinking, the read is served whole from it, and the last pinned read closes it.  A read
-    cancelled by ``close`` before it ran lets go of its pin too: no file is left open."""
+    cancelled by ``close`` before it ran lets go of its pin too: no file is left open.  Where the
+    evicting writer cannot open the file (out of descriptors), it says so, and the reads answer
+    misses (recomputed), never other bytes."""
     tier, _ = _second_chance_tier(tmp_path, read_threads=1, eviction="fifo")
+    if end == "not kept open":
+        open_data = tier._open_data
+
+        def no_descriptors_for_the_writer(number):
+            if threading.current_thread().name == "kvring-disk-writer":
+                raise OSError(errno.EMFILE, "Too many open files")
+            return open_data(number)
+
+        monkeypatch.setattr(tier, "_open_data", no_descriptors_for_the_writer)
     items = [_item(1 << 20) for _ in range(80)]
     _write(tier, items[:40])
     first = tier.location(items[0].key).segment
@@ -394,10 +406,15 @@ def test_a_read_asked_for_before_its_segment_is_evicted_is_served_from_the_file_
     _write(tier, items[40:])
     assert items[0].key not in tier and items[1].key not in tier  # their segment went
     assert not os.path.exists(tmp_path / segment_name(first, DATA_SUFFIX))
-    assert tier.stats()["kept_for_reads"] == 1 and len(_open_deleted(tmp_path)) == 1
+    kept = end != "not kept open"
+    assert tier.stats()["kept_for_reads"] == int(kept) and len(_open_deleted(tmp_path)) == int(kept)
     if end == "cancelled by close":
         tier.close()  # the second read never runs
     release.set()
+    if end == "not kept open":
+        assert done.wait(10) and all(out[item.key].missing == "gone" for item in items[:2])
+        assert tier.stats()["read_gone"] == 2 and "cannot be kept open" in caplog.text
+        tier.close()
     if end == "served":
         assert done.wait(10)
         for item in items[:2]:
