@@ -119,6 +119,19 @@ class Holder:
     mod_revision: int
 
 
+# gRPC ends a call in flight with ``CancelledError`` when its channel is closed under it: by
+# another call on the same ``Etcd`` that failed and dropped the connection (the registrar's lease
+# refresh while the repair report's write fails, etcd being down).  That is an etcd failure of this
+# call, not a request to stop its task; let through, it ended the registration thread for good.
+_CLOSED_UNDER_IT = "the call was cancelled under it (its connection was closed)"
+
+
+def _asked_to_stop() -> bool:
+    """Whether the running task itself is being cancelled (then ``CancelledError`` goes through)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Etcd:
     """A reconnecting aetcd client over the configured endpoints (tried in turn)."""
 
@@ -147,6 +160,11 @@ class Etcd:
             return await asyncio.wait_for(fn(client), self.settings.call_timeout)
         except ContractMismatch:
             raise
+        except asyncio.CancelledError as exc:
+            if _asked_to_stop():
+                raise
+            await self._drop(client)
+            raise MembershipError(f"etcd request failed: {_CLOSED_UNDER_IT}") from exc
         except Exception as exc:
             await self._drop(client)
             raise MembershipError(f"etcd request failed: {type(exc).__name__}: {exc}") from exc
@@ -250,6 +268,11 @@ class Etcd:
                 yield Change(event.kv.key, value, event.kv.mod_revision)
         except aetcd.exceptions.RevisionCompactedError as exc:
             raise MembershipError(f"etcd compacted revision {after + 1} away") from exc
+        except asyncio.CancelledError as exc:
+            if _asked_to_stop():
+                raise
+            await self._drop(client)
+            raise MembershipError(f"the etcd watch broke: {_CLOSED_UNDER_IT}") from exc
         except Exception as exc:
             await self._drop(client)
             raise MembershipError(f"the etcd watch broke: {type(exc).__name__}: {exc}") from exc

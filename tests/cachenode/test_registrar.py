@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from kvring.common.contract import Contract
+from kvring.common.errors import MembershipError
 from kvring.common.records import NodeRecord
 from kvring.common.types import NodeState
 from kvring.membership.etcd import Etcd, Holder
@@ -93,3 +94,88 @@ def test_a_state_change_made_while_the_last_one_is_written_reaches_etcd(etcd_ser
     recorded, writes = asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)
     assert first in writes  # the first change was written, and the second came during that write
     assert recorded == then, f"etcd holds {recorded} after the writes {writes}; the node is {then}"
+
+
+class _ClosedUnderRefresh(Etcd):
+    """The real etcd client, whose connection is closed (once) while a lease refresh is in flight
+    -- what another call on the same ``Etcd`` does when it fails (the repair report's write while
+    etcd is down): gRPC then ends the refresh with ``CancelledError``."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        super().__init__(settings)
+        self.armed = False
+        self.closed_under = 0
+
+    async def call(self, fn):
+        if not self.armed:
+            return await super().call(fn)
+        self.armed = False
+
+        async def closed_under_it(client):
+            refresh = asyncio.ensure_future(fn(client))
+            await asyncio.sleep(0)  # the call is on the wire
+            await self._drop(client)
+            self.closed_under += 1
+            return await refresh
+
+        return await super().call(closed_under_it)
+
+
+def test_a_call_whose_connection_another_call_closes_fails_as_etcd_and_a_cancelled_task_still_stops(etcd_server):
+    """The cause of a node that never came back after etcd was wiped: its registration thread had
+    died of a ``CancelledError`` out of the lease refresh.  Such a call fails as an etcd failure
+    (``MembershipError``) and the next call connects again; a task that is itself cancelled in the
+    middle of a call still ends cancelled."""
+    settings = EtcdSettings.parse(etcd_server.endpoint, cluster=f"registrar-{next(_clusters)}", timeout=2.0)
+
+    async def run() -> tuple[str, bool, bool]:
+        etcd = _ClosedUnderRefresh(settings)
+        try:
+            lease = await etcd.call(lambda c: c.lease(5))
+            etcd.armed = True
+            with pytest.raises(MembershipError) as failed:
+                await etcd.call(lambda c: c.refresh_lease(lease.id))
+            again = await etcd.call(lambda c: c.refresh_lease(lease.id))  # a new connection
+            stalled = asyncio.Event()
+            task = asyncio.ensure_future(etcd.call(lambda c: stalled.wait()))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            done = await asyncio.gather(task, return_exceptions=True)
+            return str(failed.value), again.TTL > 0, isinstance(done[0], asyncio.CancelledError)
+        finally:
+            await etcd.close()
+
+    message, refreshed, cancelled = asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)
+    assert "cancelled under it" in message
+    assert refreshed
+    assert cancelled
+
+
+def test_the_registrar_registers_again_after_its_refresh_is_cancelled_under_it(etcd_server):
+    settings = EtcdSettings.parse(etcd_server.endpoint, cluster=f"registrar-{next(_clusters)}", timeout=2.0)
+    record = NodeRecord("node-0", "tcp://127.0.0.1:1", "http://127.0.0.1:2", 1 << 20)
+
+    async def run() -> tuple[int, bool, NodeState | None]:
+        etcd = _ClosedUnderRefresh(settings)
+        registrar = Registrar(etcd, record, Contract(), ttl=2)
+        registrar.set_state(NodeState.ACTIVE)
+        task = asyncio.ensure_future(registrar.run())
+        try:
+            await asyncio.wait_for(registrar.registered.wait(), 10)
+            first_lease = registrar.lease_id
+            etcd.armed = True  # the next refresh (within 1 s, a third of the TTL)
+            deadline = asyncio.get_running_loop().time() + 10
+            while not (etcd.closed_under and registrar.registered.is_set() and registrar.lease_id != first_lease):
+                assert not task.done(), f"the registrar ended: {task.exception()!r}"
+                assert asyncio.get_running_loop().time() < deadline, "not registered again within 10 s"
+                await asyncio.sleep(0.05)
+            return etcd.closed_under, task.done(), await _recorded(etcd, "node-0")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await registrar.deregister()
+            await etcd.close()
+
+    closed_under, ended, recorded = asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)
+    assert closed_under == 1 and not ended
+    assert recorded == NodeState.ACTIVE  # registered again, under a new lease
