@@ -139,19 +139,23 @@ class Etcd:
         self.settings = settings
         self._client: aetcd.Client | None = None
         self._next = 0
+        self._connecting = asyncio.Lock()  # one connection at a time: tasks sharing this client wait for it
 
     async def client(self) -> aetcd.Client:
-        if self._client is None:
-            host, _, port = self.settings.endpoints[self._next % len(self.settings.endpoints)].rpartition(":")
-            self._next += 1
-            client = aetcd.Client(host=host, port=int(port), timeout=self.settings.timeout)
-            try:
-                await asyncio.wait_for(client.connect(), self.settings.timeout)
-            except Exception as exc:
-                await self._close(client)
-                raise MembershipError(f"cannot connect to etcd at {host}:{port}: {exc}") from exc
-            self._client = client
-        return self._client
+        async with self._connecting:
+            if self._client is None:
+                host, _, port = self.settings.endpoints[self._next % len(self.settings.endpoints)].rpartition(":")
+                self._next += 1
+                client = aetcd.Client(host=host, port=int(port), timeout=self.settings.timeout)
+                try:
+                    await asyncio.wait_for(client.connect(), self.settings.timeout)
+                except (Exception, asyncio.CancelledError) as exc:
+                    await self._close(client)
+                    if isinstance(exc, asyncio.CancelledError) and _asked_to_stop():
+                        raise
+                    raise MembershipError(f"cannot connect to etcd at {host}:{port}: {exc}") from exc
+                self._client = client
+            return self._client
 
     async def call(self, fn: Callable[[aetcd.Client], Awaitable]):
         """Run ``fn(client)``; on failure drop the connection and raise ``MembershipError``."""

@@ -179,3 +179,25 @@ def test_the_registrar_registers_again_after_its_refresh_is_cancelled_under_it(e
     closed_under, ended, recorded = asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)
     assert closed_under == 1 and not ended
     assert recorded == NodeState.ACTIVE  # registered again, under a new lease
+
+
+def test_tasks_sharing_a_client_while_it_connects_use_one_connection(etcd_server):
+    """The registrar, the repair report and the restart-marker read share one ``Etcd``: after an
+    outage they reconnect together, and each connection made beside another was left open."""
+    settings = EtcdSettings.parse(etcd_server.endpoint, cluster=f"registrar-{next(_clusters)}", timeout=2.0)
+
+    async def run() -> set[int]:
+        etcd = Etcd(settings)
+        used: list[int] = []
+
+        async def get(client):
+            used.append(id(client))
+            return await client.get(settings.key("contract"))
+
+        try:
+            await asyncio.gather(*(etcd.call(get) for _ in range(4)))
+            return set(used)
+        finally:
+            await etcd.close()
+
+    assert len(asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)) == 1
