@@ -148,6 +148,11 @@ class Registrar:
                     logger.warning("node %s lost etcd (%s); will re-register", self.record.node_id, exc)
                 self._lease = None
                 self.registered.clear()
+            except Exception:  # a failure nothing above names: no reason to leave the ring for good
+                logger.exception("node %s: unexpected failure keeping its etcd record; will re-register",
+                                 self.record.node_id)
+                self._lease = None
+                self.registered.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), period)
             except TimeoutError:

@@ -201,3 +201,47 @@ def test_tasks_sharing_a_client_while_it_connects_use_one_connection(etcd_server
             await etcd.close()
 
     assert len(asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)) == 1
+
+
+class _FailsOnce(Etcd):
+    """The real etcd client, whose record check fails once with an error no etcd failure names
+    (a bug, a client library's surprise)."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        super().__init__(settings)
+        self.armed = False
+
+    async def claim_node(self, record: NodeRecord, lease_id: int, replacing: Holder | None = None) -> Holder | None:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("an unforeseen failure")
+        return await super().claim_node(record, lease_id, replacing)
+
+
+def test_an_unforeseen_failure_does_not_end_the_registrar(etcd_server, caplog):
+    settings = EtcdSettings.parse(etcd_server.endpoint, cluster=f"registrar-{next(_clusters)}", timeout=2.0)
+    record = NodeRecord("node-0", "tcp://127.0.0.1:1", "http://127.0.0.1:2", 1 << 20)
+
+    async def run() -> tuple[int, bool, NodeState | None]:
+        etcd = _FailsOnce(settings)
+        registrar = Registrar(etcd, record, Contract(), ttl=2)
+        registrar.set_state(NodeState.ACTIVE)
+        task = asyncio.ensure_future(registrar.run())
+        try:
+            await asyncio.wait_for(registrar.registered.wait(), 10)
+            etcd.armed = True  # the record check after the next refresh
+            deadline = asyncio.get_running_loop().time() + 10
+            while etcd.armed or registrar.registrations < 2:
+                assert not task.done(), f"the registrar ended: {task.exception()!r}"
+                assert asyncio.get_running_loop().time() < deadline, "not registered again within 10 s"
+                await asyncio.sleep(0.05)
+            return registrar.registrations, task.done(), await _recorded(etcd, "node-0")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await registrar.deregister()
+            await etcd.close()
+
+    registrations, ended, recorded = asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)
+    assert registrations == 2 and not ended and recorded == NodeState.ACTIVE
+    assert "unforeseen failure" in caplog.text  # logged with its traceback
