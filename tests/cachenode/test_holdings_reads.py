@@ -15,6 +15,7 @@ from polling import wait_for
 from kvring.cachenode.disk.identity import DiskIdentity
 from kvring.cachenode.disk.tier import DiskConfig, DiskTier
 from kvring.cachenode.framing import FrameLimits
+from kvring.cachenode import holdings as holdings_module
 from kvring.cachenode.holdings import Holdings
 from kvring.cachenode.server import Server
 from kvring.cachenode.store import ChunkStore
@@ -179,3 +180,28 @@ def test_a_leased_lookup_holds_a_chunk_on_disk_through_its_segments_eviction(nod
     assert answered.wait(10) and out[0] is not None and bytes(out[0].buf) == bytes(first.payload)
     assert node.server.call(lambda: node.holdings.store.leased_bytes()) >= len(first.payload)
     assert node.disk.stats()["read_gone"] == 0 and node.holdings.prefetched == 1
+
+
+def test_leased_lookups_read_ahead_at_most_max_prefetches_and_a_get_reads_the_rest_itself(node, monkeypatch):
+    """Reads ahead are bounded (``MAX_PREFETCHES``, 2 here): a LOOKUP of more chunks found only on
+    disk starts that many, counts the rest as skipped, and their GET reads them for itself; a
+    LOOKUP of a chunk already being read joins that read, whatever the bound."""
+    monkeypatch.setattr(holdings_module, "MAX_PREFETCHES", 2)
+    items = [_item() for _ in range(12)]
+    node.put(items)
+    on_disk = [it for it in items if not _in_memory(node, it.key)][:4]
+    assert len(on_disk) == 4
+    gates = {it.key: threading.Event() for it in on_disk}
+    node._before.update(gates)
+    keys = [it.key for it in on_disk]
+    assert node.server.call(lambda: node.holdings.lookup(keys, 30_000)) == [True] * 4
+    assert node.paused.wait(10), "the LOOKUP started no read"
+    assert (node.holdings.prefetched, node.holdings.prefetch_skipped) == (2, 2)
+    assert node.server.call(lambda: node.holdings.lookup(keys[:1], 30_000)) == [True]  # joins its read
+    assert (node.holdings.prefetched, node.holdings.prefetch_skipped) == (3, 2)
+    for gate in gates.values():
+        gate.set()
+    answered, out = threading.Event(), []
+    node.server.call(lambda: node.holdings.fetch(keys, lambda entries: (out.extend(entries), answered.set())))
+    assert answered.wait(10)
+    assert [bytes(e.buf) for e in out] == [bytes(it.payload) for it in on_disk]  # the skipped ones too
