@@ -27,7 +27,9 @@ KV events (``events.py``) follow what the node holds, not which tier: a chunk mo
 memory and disk is not announced; one that leaves both is (also one memory let go while its disk
 write was queued, if the write then fails or the chunk is deleted first).  A node that restarts
 with chunks on disk announces them again after its ``AllBlocksCleared``, at the publisher's pace:
-a thread reads the journals, the loop announces what the disk still holds.
+a thread reads the journals, the loop announces what the disk still holds.  A chunk part that
+leaves both tiers by itself (evicted, dropped as corrupt, its disk write failed), not deleted,
+hands the anchor it names to ``anchors`` (``anchors.py``).
 
 Threading contract: everything here runs on the data loop, except ``_announce`` (the journal
 reader's thread, which posts its pieces to the loop) and the tier's callbacks, which
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 
 from kvring.common.chunk import ChunkBlocks, ChunkMeta
 
+from .anchors import AnchorDrops
 from .disk.records import JOURNAL_SUFFIX, Stored, decode_blocks, decode_entries, segment_name
 from .disk.tier import DiskTier, Dropped, ReadResult
 from .events import NodeEvents
@@ -77,11 +80,11 @@ class Holdings:
             disk.config.capacity >= 2 * store.capacity + 2 * disk.config.segment_size)
         self.read_timeouts = 0
         self.announced_kept = 0  # chunks the disk kept over the restart, announced
-        if events is not None:
-            store.watch(_HeldEvents(self))
+        self.anchors: AnchorDrops | None = None  # the node sets it once it has a cluster client
+        store.watch(_Leaving(self))
         if disk is not None:
-            disk.on_gone = lambda key, blocks: server.post(lambda: self._disk_gone(key, blocks))
-            disk.on_unwritten = lambda key, blocks: server.post(lambda: self._unwritten(key, blocks))
+            disk.on_gone = lambda key, stored: server.post(lambda: self._disk_gone(key, stored, evicted=True))
+            disk.on_unwritten = lambda key, meta: server.post(lambda: self._unwritten(key, meta))
 
     # ---- presence --------------------------------------------------------------------------
 
@@ -250,7 +253,7 @@ class Holdings:
         for then in read.waiters if read is not None else ():
             then(entry)
 
-    # ---- KV events -------------------------------------------------------------------------
+    # ---- what leaves the node -------------------------------------------------------------
 
     def _left_disk(self, key: bytes, dropped: Dropped) -> None:
         """A chunk memory no longer held was deleted from the disk: announce its blocks (read from
@@ -258,24 +261,24 @@ class Holdings:
         if self.events is None:
             return
         if dropped.location is not None:
-            self.disk.blocks_of(dropped.location, lambda blocks: self.server.post(lambda: self._disk_gone(key, blocks)))
+            self.disk.entry_of(dropped.location,
+                               lambda stored: self.server.post(lambda: self._disk_gone(key, stored, evicted=False)))
         elif dropped.blocks is not None:
             self.events.blocks_changed(False, dropped.blocks)
 
-    def _unwritten(self, key: bytes, blocks: ChunkBlocks | None) -> None:
+    def _unwritten(self, key: bytes, meta: ChunkMeta) -> None:
         """Memory let a chunk go while it was queued for the disk (so did not announce it), and
         the write failed: unless it is held again since, it is held nowhere now."""
-        if key in self.disk or key in self.store or self.events is None or blocks is None:
-            return
-        self.events.blocks_changed(False, blocks)
+        if key not in self.disk and key not in self.store:
+            self._gone(key, meta.blocks, meta.anchor, evicted=True)
 
-    def _disk_gone(self, key: bytes, blocks: ChunkBlocks | None) -> None:
-        """A chunk left the disk (deleted, evicted with its segment, dropped as corrupt).  If
-        memory still holds it (it is in use: a hot prefix), it is written again, to the newest
-        segment, so the disk keeps holding all that memory does and the chunk outlasts the disk's
-        first-in-first-out cycling and a restart (a delete or flush took it from memory first);
-        not on a disk too small for that (``_rewrites``).  Else, unless the disk has it again, its
-        blocks are announced removed."""
+    def _disk_gone(self, key: bytes, stored: Stored | None, evicted: bool) -> None:
+        """A chunk left the disk (``evicted`` with its segment or dropped as corrupt; else
+        deleted), with its journal entry.  If memory still holds it (it is in use: a hot prefix),
+        it is written again, to the newest segment, so the disk keeps holding all that memory does
+        and the chunk outlasts the disk's first-in-first-out cycling and a restart (a delete or
+        flush took it from memory first); not on a disk too small for that (``_rewrites``).  Else,
+        unless the disk has it again, it is gone."""
         if key in self.disk:
             return
         entry = self.store.peek(key)
@@ -283,8 +286,16 @@ class Holdings:
             if self._rewrites and self.disk.write(key, entry.meta, entry.buf):
                 self.rewritten += 1
             return
+        if stored is not None:
+            self._gone(key, decode_blocks(stored.blocks), stored.anchor, evicted)
+
+    def _gone(self, key: bytes, blocks: ChunkBlocks | None, anchor: bytes | None, evicted: bool) -> None:
+        """``key`` is held in neither tier any more: its blocks are announced removed, and a part
+        that went by itself (``evicted``: not deleted) hands its chunk's anchor to ``anchors``."""
         if self.events is not None and blocks is not None:
             self.events.blocks_changed(False, blocks)
+        if evicted and anchor is not None and self.anchors is not None:
+            self.anchors.part_gone(key, anchor)
 
     def announce_disk(self) -> None:
         """Announce the chunks the disk kept over a restart: a thread of its own reads the
@@ -345,7 +356,7 @@ class _Read:
     flushed: set[str] = field(default_factory=set)  # namespaces flushed meanwhile
 
 
-class _HeldEvents:
+class _Leaving:
     """The memory store's watcher: passes on what changes the node's holdings, not what moves
     between its tiers."""
 
@@ -353,11 +364,11 @@ class _HeldEvents:
         self.holdings = holdings
 
     def stored(self, key: bytes, meta: ChunkMeta) -> None:
-        disk = self.holdings.disk
-        if disk is None or key not in disk:  # else: read back from the disk, held all along
-            self.holdings.events.stored(key, meta)
+        disk, events = self.holdings.disk, self.holdings.events
+        if events is not None and (disk is None or key not in disk):  # else: read back from the disk
+            events.stored(key, meta)
 
-    def removed(self, key: bytes, meta: ChunkMeta) -> None:
+    def removed(self, key: bytes, meta: ChunkMeta, evicted: bool) -> None:
         disk = self.holdings.disk
         if disk is None or not disk.take_over(key):  # else: it stays on disk (or says if its write fails)
-            self.holdings.events.removed(key, meta)
+            self.holdings._gone(key, meta.blocks, meta.anchor, evicted)

@@ -141,6 +141,18 @@ class NodeMetrics:
         ):
             Gauge(f"kvring_node_repair_{name}", doc, registry=r).set_function(lambda read=read: int(read()))
 
+    def watch_anchors(self, counts) -> None:
+        """Counters of the anchors deleted for parts the node let go (``anchors.AnchorCounts``)."""
+        for name, doc in (
+            ("parts", "Parts naming an anchor that the node let go by itself, taken up"),
+            ("held_elsewhere", "Of those, held by another owner (their chunk kept)"),
+            ("anchors_deleted", "Anchor copies deleted for parts held nowhere"),
+            ("skipped", "Parts not taken up: too many waited"),
+            ("failed", "Parts whose anchors could not be deleted (the cluster out of reach)"),
+        ):
+            Gauge(f"kvring_node_anchor_{name}_total", doc, registry=self.registry).set_function(
+                lambda name=name: getattr(counts, name))
+
     def refuse(self) -> None:
         self.refused.inc()
         self.refused_count += 1

@@ -45,7 +45,9 @@ from kvring.common.types import LEFT_RING_STATES, NodeState
 from kvring.events.publisher import PublisherSettings
 from kvring.membership.settings import EtcdSettings
 
+from .anchors import AnchorDrops
 from .buffers import BufferPool
+from .client.cluster import ClusterClient
 from .disk.identity import DiskError, DiskIdentity
 from .disk.tier import DiskConfig, DiskTier
 from .dispatch import Dispatcher
@@ -176,6 +178,7 @@ class CacheNode:
                            held=self.held)
         self.registration: Registration | None = None
         self.handoff: Handoff | None = None
+        self.anchors: AnchorDrops | None = None
         self.fatal: str | None = None
         self.started = time.time()
 
@@ -239,6 +242,12 @@ class CacheNode:
             if self.record.state in LEFT_RING_STATES:
                 self.handoff.reset_drain()
             self.handoff.start()
+        self.anchors = AnchorDrops(lambda: ClusterClient(self.config.etcd, contract=self.config.contract, timeout=2.0,
+                                                         tls=self.config.tls, lookup_threads=1,
+                                                         buffer_pool_bytes=1 << 20))
+        self.holdings.anchors = self.anchors
+        self.metrics.watch_anchors(self.anchors.counts)
+        self.anchors.start()
 
     def _registration_lost(self) -> None:
         self.fatal = self.registration.fatal
@@ -276,6 +285,8 @@ class CacheNode:
     def _shutdown(self) -> None:
         if self.handoff is not None:
             self.handoff.stop()
+        if self.anchors is not None:
+            self.anchors.stop()
         if self.registration is not None:
             self.registration.leave(drained=self.record.state == NodeState.DRAINED and "etcd" in self.drain.requests)
         self.http.shutdown()
@@ -307,6 +318,7 @@ class CacheNode:
             "registered": bool(self.registration and self.registration.registered),
             "registrations": self.registration.registrar.registrations if self.registration else 0,
             "handed_off": self.handoff.moved if self.handoff else 0,
+            "anchors": self.anchors.counts.as_dict() if self.anchors else None,
             "repair": self.handoff.repair.as_dict() if self.handoff else None,
             "namespaces": len(self.store.namespaces()),
             "drain": self.drain.status(),

@@ -77,15 +77,17 @@ class Entry:
 
     @property
     def charge(self) -> int:
-        """Bytes charged to the budget: payload, bookkeeping, and the vLLM blocks it names."""
-        blocks = self.meta.blocks
-        return _payload_bytes(self.buf) + ENTRY_OVERHEAD + (blocks.nbytes if blocks is not None else 0)
+        """Bytes charged to the budget: payload, bookkeeping, and the vLLM blocks and anchor it names."""
+        blocks, anchor = self.meta.blocks, self.meta.anchor
+        return (_payload_bytes(self.buf) + ENTRY_OVERHEAD + (blocks.nbytes if blocks is not None else 0)
+                + (len(anchor) if anchor is not None else 0))
 
 
 class StoreWatcher(Protocol):
     def stored(self, key: bytes, meta: ChunkMeta) -> None: ...
 
-    def removed(self, key: bytes, meta: ChunkMeta) -> None: ...
+    def removed(self, key: bytes, meta: ChunkMeta, evicted: bool) -> None:
+        """``key`` left the store: ``evicted`` by the store itself, else deleted or flushed."""
 
 
 class StoreFull(KVRingError):
@@ -267,7 +269,7 @@ class ChunkStore:
 
     def _shared(self, meta: ChunkMeta) -> ChunkMeta:
         """``meta`` sharing its shape list, dtype, token count and namespace with the chunks
-        stored before it that have equal ones: only its checksums and blocks are its own."""
+        stored before it that have equal ones: only its checksums, blocks and anchor are its own."""
         fields = (tuple(meta.shape), meta.dtype, meta.tokens, meta.namespace)
         template = self._templates.get(fields)
         if template is None:
@@ -275,7 +277,7 @@ class ChunkStore:
                 self._templates.clear()
             self._templates[fields] = meta
             return meta
-        return msgspec.structs.replace(template, checksums=meta.checksums, blocks=meta.blocks)
+        return msgspec.structs.replace(template, checksums=meta.checksums, blocks=meta.blocks, anchor=meta.anchor)
 
     def _make_room(self, charge: int) -> None:
         if self.used + charge <= self.capacity:
@@ -293,13 +295,13 @@ class ChunkStore:
                 needed -= self._entries[key].charge
             for key in victims:
                 entry = self._entries.pop(key)
-                self._forget(key, entry)
+                self._forget(key, entry, evicted=True)
                 self.evictions += 1
                 self.evicted_bytes += _payload_bytes(entry.buf)
             if self.used + charge <= self.capacity:
                 return
 
-    def _forget(self, key: bytes, entry: Entry) -> None:
+    def _forget(self, key: bytes, entry: Entry, evicted: bool = False) -> None:
         charge = entry.charge
         self.used -= charge
         if self.recycle is not None:
@@ -315,4 +317,4 @@ class ChunkStore:
             else:
                 del self._namespace_chunks[ns]
         for watcher in self._watchers:
-            watcher.removed(key, entry.meta)
+            watcher.removed(key, entry.meta, evicted)

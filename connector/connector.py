@@ -89,14 +89,16 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         chunk = self.client.contract.chunk_size
         block_size = vllm_config.cache_config.block_size
         check_chunk_blocks(chunk, block_size)
+        layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version, groups=groups)
+        parts = chunk_parts(vllm_config, layout)
         if role == KVConnectorRole.SCHEDULER:
-            layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version, groups=groups)
             self._scheduler = SchedulerSide(self.config, layout, self.client, block_size,
-                                            worker_load_bytes(vllm_config, layout), chunk_parts(vllm_config, layout))
+                                            worker_load_bytes(vllm_config, layout), parts)
             self._worker = None
         else:
             self._scheduler = None
-            self._worker = WorkerSide(self.config, self.client, chunk, block_size, rank_shard(vllm_config), groups)
+            self._worker = WorkerSide(self.config, self.client, chunk, block_size, rank_shard(vllm_config), groups,
+                                      anchor=parts.anchor)
             self.client.reserve_buffers(self.config.receive_buffer_mb << 20)
         logger.info("KVRingConnector (%s) on cluster %r, chunk %d tokens, %s loads", role.name, self.config.cluster,
                     chunk, self.config.load_mode)

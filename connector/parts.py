@@ -68,8 +68,16 @@ class ChunkPart:
     @property
     def announces(self) -> bool:
         """Whether this part names the chunk's vLLM blocks for the pool's KV events: head 0 of
-        the first stage (its full-attention layers), so each chunk is announced once."""
+        the first stage (its full-attention layers), so each chunk is announced once.  It is
+        the chunk's anchor: the chunk's other full-attention parts carry its key
+        (``ChunkMeta.anchor``), and a node that lets one of them go deletes it
+        (``cachenode/anchors.py``)."""
         return self.head == 0 and self.first_layer == 0 and not self.window
+
+    def anchored_by(self, anchor: ChunkPart | None) -> bool:
+        """Whether this part carries ``anchor``'s key: a full-attention part other than it (a
+        window's part may be missing from a chunk a load takes, so it does not)."""
+        return anchor is not None and not self.window and self != anchor
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,12 @@ class ChunkParts:
     def parts(self) -> tuple[ChunkPart, ...]:
         return tuple(ChunkPart(h, first, end, w) for first, end in self.stages
                      for w in kinds(self.windows, first, end) for h in range(self.num_kv_heads))
+
+    @property
+    def anchor(self) -> ChunkPart | None:
+        """The part that names the chunk's vLLM blocks (``ChunkPart.announces``); None if no part
+        does (a hybrid whose first stage has no full-attention layer)."""
+        return next((p for p in self.parts if p.announces), None)
 
     def keys(self, chunk_keys: Sequence[bytes]) -> list[bytes]:
         """The part keys of ``chunk_keys``, chunk after chunk (``len(parts)`` each)."""

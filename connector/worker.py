@@ -328,13 +328,17 @@ class WorkerSide:
     (every head and layer of the caches it registers)."""
 
     def __init__(self, config: ConnectorConfig, client: ClusterClient, chunk_size: int, block_size: int,
-                 shard: RankShard | None = None, groups: KVGroups | None = None) -> None:
+                 shard: RankShard | None = None, groups: KVGroups | None = None,
+                 anchor: ChunkPart | None = None) -> None:
         self.config = config
         self.client = client
         self.chunk = chunk_size
         self.block_size = block_size
         self.shard = shard
         self.groups = groups or KVGroups({})
+        # The part of every chunk that names its blocks (``ChunkParts.anchor``): the instance's
+        # first stage's; without one given, an instance of one stage's (once the caches are known).
+        self.anchor = anchor
         self.layer_groups: list[int] = []  # per layer here: its KV-cache group (block table)
         self.parts: list[WorkerPart] = []  # the parts this worker loads
         self._saved_parts: list[WorkerPart] = []
@@ -382,6 +386,8 @@ class WorkerSide:
         self.layer_groups = [self.groups.group_of(name) for name in self.layer_names]
         self.parts = self._parts()
         self._saved_parts = [p for p in self.parts if self.shard.saves[p.head]]  # one replica of each head
+        if self.anchor is None and shard.first_layer == 0:
+            self.anchor = next((p.part for p in self.parts if p.part.head == 0 and p.part.announces), None)
         # per layer: the saved parts holding it, and its row in them
         self._save_rows: list[list[tuple[WorkerPart, int]]] = [[] for _ in self.layer_names]
         for part in self._saved_parts:
@@ -613,6 +619,7 @@ class WorkerSide:
             items = [ChunkItem.of(entry.part.part.key(spec.keys[c]), buf.view(torch.uint8).numpy(), list(buf.shape),
                                   self.dtype_name, buf.shape[1], spec.namespace)
                      .with_blocks(blocks[c] if entry.part.part.announces else None)
+                     .with_anchor(self.anchor.key(spec.keys[c]) if entry.part.part.anchored_by(self.anchor) else None)
                      for entry in save.parts.values() for c, buf in enumerate(entry.bufs, start=entry.first_chunk)]
             stored = self.client.put_many(items)
             saved = [item for item, s in zip(items, stored) if s]

@@ -11,7 +11,7 @@ import threading
 
 import msgspec
 import zmq
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -86,3 +86,16 @@ def vllm_block_hashes(tokens: list[int], block_size: int, extra_keys=None) -> li
         parent = kcu.hash_block_tokens(fn, parent, tokens[start:start + block_size], extra_keys)
         hashes.append(kcu.maybe_convert_block_hash(parent))
     return hashes
+
+
+def credited(events) -> set:
+    """What a consumer applying ``events`` in order ends up crediting."""
+    held: set = set()
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            held.clear()
+        elif isinstance(e, BlockStored):
+            held.update(e.block_hashes)
+        else:
+            held.difference_update(e.block_hashes)
+    return held

@@ -179,6 +179,10 @@ class ClusterClient:
         """Which nodes hold each key (every owner asked, without leasing); for inspection."""
         return self.reads.locate(list(keys)) if keys else []
 
+    def held_nowhere(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: every owner answered and none holds it (``locate``'s strict form)."""
+        return self.reads.held_nowhere(list(keys)) if keys else []
+
     def get(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
             node: str | None = None) -> list[Chunk | None]:
         """Read chunks (whole, or layers ``[start, end)``); ``None`` where a key is missing.

@@ -223,16 +223,30 @@ class Reads:
     def locate(self, keys: list[bytes]) -> list[list[str]]:
         """Which nodes hold each key: every owner on the current ring (and, right after a ring
         change, the previous owners too), asked without leasing anything."""
+        candidates, found, _ = self._ask_owners(keys)
+        return [[n for n in owners if n in got] for owners, got in zip(candidates, found)]
+
+    def held_nowhere(self, keys: list[bytes]) -> list[bool]:
+        """Per key: every owner (current and, right after a ring change, previous) answered, and
+        none holds it.  A key with an owner that did not answer is not held nowhere."""
+        candidates, found, silent = self._ask_owners(keys)
+        return [not got and not silent.intersection(owners) for owners, got in zip(candidates, found)]
+
+    def _ask_owners(self, keys: list[bytes]) -> tuple[list[list[str]], list[set[str]], set[str]]:
+        """Each key's owners, which of them hold it, and the owners that did not answer."""
         view = self.membership.view
         prev = view.previous()
         candidates = view.ring.owners_many(keys)
         if prev is not None:
             candidates = [cur + [n for n in old if n not in cur] for cur, old in zip(candidates, prev.owners_many(keys))]
         ask: dict[str, list[int]] = defaultdict(list)
+        silent: set[str] = set()
         for i, owners in enumerate(candidates):
             for node_id in owners:
                 if node_id in self.links:
                     ask[node_id].append(i)
+                else:
+                    silent.add(node_id)
         found: list[set[str]] = [set() for _ in keys]
         asked: dict[int, tuple[str, list[int]]] = {}
         with Exchange(self.links, self.timeout) as ex:
@@ -247,7 +261,8 @@ class Reads:
                             found[i].add(node_id)
                 else:
                     logger.debug("locate on %s failed: %s", event.node_id, event.error)
-        return [[n for n in owners if n in got] for owners, got in zip(candidates, found)]
+                    silent.add(event.node_id)
+        return candidates, found, silent
 
     # ---- GET ----------------------------------------------------------------------------------
 

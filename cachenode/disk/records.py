@@ -54,6 +54,7 @@ class Stored(msgspec.Struct, array_like=True, tag=0):
     length: int  # of the whole record
     namespace: str = ""
     blocks: bytes | None = None  # the meta's ChunkBlocks as msgpack, for the KV events
+    anchor: bytes | None = None  # the meta's anchor (``anchors.py``), for a chunk evicted from the disk
 
 
 class Deleted(msgspec.Struct, array_like=True, tag=1):

@@ -160,21 +160,21 @@ class ReadResult:
 
 class DiskTier:
     """One node's disk tier (see the module docstring).  ``take`` allocates payload buffers;
-    ``on_gone`` hears each chunk that leaves the tier by itself, with its key and its vLLM blocks:
-    evicted with its segment (on the writer thread), or dropped as corrupt when read (on a
-    reader thread); with it, a chunk read back carries its blocks too (``_with_blocks``).
-    ``on_unwritten`` hears each chunk memory let go while it was queued for the disk
-    (``take_over``) that was then not written (too large, the disk full or failing), on the
-    writer thread."""
+    ``on_gone`` hears each chunk that leaves the tier by itself, with its key and its journal
+    entry (its vLLM blocks and anchor; None if the entry cannot be read): evicted with its
+    segment (on the writer thread), or dropped as corrupt when read (on a reader thread); with
+    it, a chunk read back carries its blocks too (``_with_blocks``).  ``on_unwritten`` hears each
+    chunk memory let go while it was queued for the disk (``take_over``) that was then not
+    written (too large, the disk full or failing), with its metadata, on the writer thread."""
 
     def __init__(self, config: DiskConfig, identity: DiskIdentity, take: Callable[[int], object],
-                 on_gone: Callable[[bytes, ChunkBlocks | None], None] | None = None) -> None:
+                 on_gone: Callable[[bytes, Stored | None], None] | None = None) -> None:
         self.config = config
         self.directory = config.directory
         self.identity = identity
         self._take = take
         self.on_gone = on_gone
-        self.on_unwritten: Callable[[bytes, ChunkBlocks | None], None] | None = None
+        self.on_unwritten: Callable[[bytes, ChunkMeta], None] | None = None
         self.index = DiskIndex()
         self.report = RebuildReport()
         self._lock_fd = -1
@@ -369,20 +369,20 @@ class DiskTier:
         if fd >= 0:
             os.close(fd)
 
-    def blocks_of(self, location: Location, done: Callable[[ChunkBlocks | None], None]) -> None:
-        """Read the vLLM blocks a chunk's journal entry records (for the KV events of a chunk
-        that leaves the disk without being in memory), on a reader thread."""
+    def entry_of(self, location: Location, done: Callable[[Stored], None]) -> None:
+        """Read a chunk's journal entry (its vLLM blocks, for the KV events of a chunk that leaves
+        the disk without being in memory) on a reader thread; ``done`` only if it is whole."""
         if location.entry >= 0 and self._readers is not None:
             try:
-                self._readers.submit(self._read_blocks, location, done)
+                self._readers.submit(self._read_entry, location, done)
             except RuntimeError:  # shutting down: no events any more
                 pass
 
-    def _read_blocks(self, location: Location, done: Callable[[ChunkBlocks | None], None]) -> None:
+    def _read_entry(self, location: Location, done: Callable[[Stored], None]) -> None:
         self.wait_if_stalled()
         entry = self._journal_entry(location)
         if entry is not None:
-            done(decode_blocks(entry.blocks))
+            done(entry)
 
     def _journal_entry(self, location: Location) -> Stored | None:
         """The ``Stored`` entry of the journal at ``location.entry`` (None: not journaled yet, or
@@ -524,7 +524,7 @@ class DiskTier:
         logger.warning("disk %s: dropped a bad record of key %s in segment %d: %s", self.directory, key.hex()[:32],
                        location.segment, why)
         if dropped and self.on_gone is not None:  # its journal entry names its blocks, if it is whole
-            self._read_blocks(location, lambda blocks: self.on_gone(key, blocks))
+            self._read_entry(location, lambda stored: self.on_gone(key, stored))
 
     def read_failed(self, key: bytes, location: Location, exc: OSError) -> None:
         with self.index.lock:
@@ -566,7 +566,7 @@ class DiskTier:
                             and not item.cancelled]
                 if self.on_unwritten is not None:
                     for item in lost:
-                        self.on_unwritten(item.key, item.meta.blocks)
+                        self.on_unwritten(item.key, item.meta)
 
     def _write_batch(self, batch: list) -> None:
         self.wait_if_stalled()
@@ -592,7 +592,7 @@ class DiskTier:
             for item, location in written:
                 if item.cancelled:  # deleted while it was being written
                     continue
-                entry = self._index_stored(item.key, location, blocks_bytes(item.meta), at)
+                entry = self._index_stored(item.key, location, blocks_bytes(item.meta), item.meta.anchor, at)
                 item.written = True
                 entries.append(entry)
                 at += len(entry)
@@ -603,11 +603,12 @@ class DiskTier:
         if written and self.config.sync:
             os.posix_fadvise(self._data_fd, written[0][1].offset, 0, os.POSIX_FADV_DONTNEED)
 
-    def _index_stored(self, key: bytes, location: Location, blocks: bytes | None, at: int) -> bytes:
+    def _index_stored(self, key: bytes, location: Location, blocks: bytes | None, anchor: bytes | None,
+                      at: int) -> bytes:
         """Make a record written (and synced) in the open segment visible, its journal entry to be
         appended at offset ``at``; the entry (under the index lock)."""
         self.index.add(key, dataclasses.replace(location, entry=at))
-        return encode_entry(Stored(key, location.offset, location.length, location.namespace, blocks))
+        return encode_entry(Stored(key, location.offset, location.length, location.namespace, blocks, anchor))
 
     def _append(self, item: _Write) -> Location | None:
         """Write one record at the end of the open segment (making room first); None if it could
@@ -705,8 +706,7 @@ class DiskTier:
                 pass
         if self.on_gone is not None:
             for key in keys:
-                stored = journal.get(key)
-                self.on_gone(key, decode_blocks(stored.blocks) if stored is not None else None)
+                self.on_gone(key, journal.get(key))
 
     def _keep_for_readers(self, segment: Segment) -> None:
         """Keep an evicted segment's data file open for the reads that pinned it (before its
@@ -749,7 +749,7 @@ class DiskTier:
                            self.directory, number, exc.strerror)
             return journal
         self._commit()  # the batch's records so far are durable and journaled before these follow
-        moved: list[tuple[bytes, Location, Location, bytes | None]] = []
+        moved: list[tuple[bytes, Location, Location, Stored]] = []
         start = self._segment.size
         try:
             for key, old in picked:
@@ -769,8 +769,7 @@ class DiskTier:
                 with self._cond:
                     self._segment.size += old.length
                     self.index.bytes += old.length
-                moved.append((key, old, Location(self._segment.number, offset, old.length, old.namespace),
-                              stored.blocks))
+                moved.append((key, old, Location(self._segment.number, offset, old.length, old.namespace), stored))
         finally:
             os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(src)
@@ -781,10 +780,10 @@ class DiskTier:
         added = []
         with self._cond:
             at = self._segment.journal
-            for key, old, new, blocks in moved:
+            for key, old, new, stored in moved:
                 if self.index.entries.get(key) is not old:  # deleted (or dropped as bad) while it was copied
                     continue
-                entry = self._index_stored(key, new, blocks, at)
+                entry = self._index_stored(key, new, stored.blocks, stored.anchor, at)
                 added.append(entry)
                 at += len(entry)
                 self.counts["carried"] += 1

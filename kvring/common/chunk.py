@@ -15,6 +15,13 @@ their block hashes as vLLM computes them, the hash of the block before them, the
 block size and LoRA name — which is what the nodes' KV events (``kvring.events``) tell routers
 when the chunk is stored and when it goes.  kvring's own keys never depend on it.  Like
 ``namespace`` it is a trailing, defaulted field, so both ways of older peers still decode.
+
+A chunk the connector stores as several parts (one per KV head and pipeline stage) names its
+blocks on one part only, its *anchor* (head 0 of the first stage, full attention); each of its
+other full-attention parts carries ``anchor``, the anchor's key.  A node that lets such a part go
+by itself (evicted, dropped as corrupt) while no other node holds it deletes the anchor
+(``cachenode/anchors.py``): the chunk can no longer be loaded whole, so the pool's KV events stop
+crediting its blocks.  Also trailing and defaulted.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ MAX_BLOCKS_PER_CHUNK = 4096
 MAX_BLOCK_HASH_BYTES = 64
 MAX_LORA_NAME_BYTES = 256
 MAX_EXTRA_KEYS_BYTES = 64 << 10
+MAX_KEY_BYTES = 64  # a chunk's key, as the data protocol takes it (and an anchor)
 
 # A block hash as vLLM publishes it (``ExternalBlockHash``): a 64-bit int by default, the hash's
 # bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0.
@@ -96,6 +104,7 @@ class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
     checksums: list[int]
     namespace: str = ""  # trailing and defaulted: wire-compatible both ways
     blocks: ChunkBlocks | None = None  # likewise
+    anchor: bytes | None = None  # likewise: the key of the part of this chunk that names its blocks
 
     @property
     def layers(self) -> int:
@@ -161,6 +170,14 @@ class ChunkItem:
             validate_blocks(blocks, meta.tokens)
         return ChunkItem(self.key, self.payload, meta)
 
+    def with_anchor(self, anchor: bytes | None) -> ChunkItem:
+        """This chunk part naming its chunk's anchor (the part that names the chunk's blocks)."""
+        if anchor is None and self.meta.anchor is None:
+            return self
+        meta = msgspec.structs.replace(self.meta, anchor=None if anchor is None else bytes(anchor))
+        validate_anchor(meta.anchor)
+        return ChunkItem(self.key, self.payload, meta)
+
     @property
     def nbytes(self) -> int:
         return self.meta.nbytes
@@ -182,8 +199,15 @@ def validate_meta(meta: ChunkMeta, max_bytes: int | None) -> None:
         raise ProtocolError(f"namespace of {len(meta.namespace.encode())} bytes exceeds {MAX_NAMESPACE_BYTES}")
     if meta.blocks is not None:
         validate_blocks(meta.blocks, meta.tokens)
+    validate_anchor(meta.anchor)
     if max_bytes is not None and meta.nbytes > max_bytes:
         raise ProtocolError(f"chunk of {meta.nbytes} bytes exceeds the maximum of {max_bytes}", "too_large")
+
+
+def validate_anchor(anchor: bytes | None) -> None:
+    """Raise ``ProtocolError`` unless ``anchor`` is None or could be a key."""
+    if anchor is not None and not 1 <= len(anchor) <= MAX_KEY_BYTES:
+        raise ProtocolError(f"anchor: a key of 1..{MAX_KEY_BYTES} bytes, got {len(anchor)}")
 
 
 def validate_blocks(blocks: ChunkBlocks, chunk_tokens: int) -> None:

@@ -59,13 +59,12 @@ from typing import Any
 
 import msgspec
 
-from .chunk import ChunkMeta
+from .chunk import MAX_KEY_BYTES, ChunkMeta  # noqa: F401 (MAX_KEY_BYTES: the protocol's limit too)
 from .errors import ErrorCode
 
 PROTOCOL_VERSION = 1
 
 MAX_HEADER_BYTES = 1 << 20  # a request header (a LOOKUP of MAX_KEYS_PER_REQUEST keys fits)
-MAX_KEY_BYTES = 64
 MAX_KEYS_PER_REQUEST = 16_384  # 4M tokens of 256-token chunks in one request
 MAX_LEASE_MS = 60_000
 MAX_LIST_KEYS = 10_000  # keys in one KeysReply

@@ -75,6 +75,21 @@ def test_one_part_per_chunk_announces_its_blocks():
     assert [p for p in parts if p.announces] == [ChunkPart(0, 0, 2)]
 
 
+def test_every_other_full_attention_part_names_the_announcing_part_as_its_anchor():
+    """A node that lets one of them go deletes the anchor (``cachenode/anchors.py``): the chunk
+    can no longer be loaded whole.  A window's parts name none: a chunk a load takes may lack them."""
+    stages = LAYOUT.parts(((0, 2), (2, 4)))
+    assert stages.anchor == ChunkPart(0, 0, 2)
+    assert [p for p in stages.parts if p.anchored_by(stages.anchor)] == [p for p in stages.parts if p != stages.anchor]
+    hybrid = HYBRID.parts()
+    assert hybrid.anchor == ChunkPart(0, 0, 4, 0)
+    assert [p for p in hybrid.parts if p.anchored_by(hybrid.anchor)] == [ChunkPart(1, 0, 4, 0)]
+    single = ChunkParts(1, ((0, 4),))  # MLA: one latent "head", one stage: nothing to anchor
+    assert single.anchor == ChunkPart(0, 0, 4) and not single.anchor.anchored_by(single.anchor)
+    no_full = ChunkParts(2, ((0, 2), (2, 4)), windows=(64, 64, 0, 0))  # the first stage slides only
+    assert no_full.anchor is None and not any(p.anchored_by(no_full.anchor) for p in no_full.parts)
+
+
 def test_stage_layers_are_vllms_split():
     assert stage_layers(4, 1) == ((0, 4),)
     assert stage_layers(4, 2) == ((0, 2), (2, 4))

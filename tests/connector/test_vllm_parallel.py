@@ -92,8 +92,8 @@ def runs(cluster, node_lines, model, prompts, tmp_path_factory):
         {"tokens": prompts["tp1"]}]})  # 2: computed and stored by TP 1
     parts = ChunkParts(KV_HEADS, ((0, LAYERS),))
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:  # what each stored, node by node
-        out["stored"] = {"tp2": _part_bytes(client, out["A"]["keys"][0], parts),
-                         "tp1": _part_bytes(client, out["B1"]["keys"][2], parts)}
+        out["stored"] = {"tp2": _stored_parts(client, out["A"]["keys"][0], parts),
+                         "tp1": _stored_parts(client, out["B1"]["keys"][2], parts)}
     out["B2"] = run_instance(tmp, "B2", {**base, "tensor_parallel_size": 2, "prompts": [
         {"tokens": prompts["tp2b"], "salt": "ref"}, {"tokens": prompts["tp2b"]},  # 0-1: TP 2 -> TP 2
         {"tokens": prompts["tp1"], "salt": "ref"}, {"tokens": prompts["tp1"]},  # 2-3: TP 1 -> TP 2
@@ -122,9 +122,17 @@ def _why(runs, name: str, i: int) -> str:
             + "\nthe nodes' last lines:\n" + "\n".join(runs["node_lines"][-30:]))
 
 
-def _part_bytes(client: ClusterClient, keys: list[str], parts: ChunkParts) -> list[int]:
+def _stored_parts(client: ClusterClient, keys: list[str], parts: ChunkParts) -> list[tuple[int, bytes | None]]:
+    """Each part of the chunks ``keys`` as stored: its bytes (0: missing) and the anchor it names."""
     chunks = client.get(parts.keys([bytes.fromhex(k) for k in keys]))
-    return [c.meta.nbytes if c is not None else 0 for c in chunks]
+    return [(c.meta.nbytes, c.meta.anchor) if c is not None else (0, None) for c in chunks]
+
+
+def _anchors(keys: list[str], parts: ChunkParts) -> list[bytes | None]:
+    """The anchor each part of the chunks ``keys`` must name: the chunk's announcing part's key,
+    on every full-attention part but that one (``ChunkPart.anchored_by``)."""
+    return [parts.anchor.key(k) if p.anchored_by(parts.anchor) else None
+            for k in (bytes.fromhex(k) for k in keys) for p in parts.parts]
 
 
 def test_tp2_stores_each_head_once_and_in_the_layout_tp1_stores(runs):
@@ -134,7 +142,13 @@ def test_tp2_stores_each_head_once_and_in_the_layout_tp1_stores(runs):
     assert a["layout"] == b1["layout"]  # the same keys: the layout names no TP size
     assert a["parts"] == b1["parts"] == [[h, 0, LAYERS] for h in range(KV_HEADS)]
     one_part = LAYERS * CHUNK * 2 * HEAD_DIM * 4  # K and V of one head, float32
-    assert runs["stored"]["tp2"] == runs["stored"]["tp1"] == [one_part] * (4 * KV_HEADS)
+    tp2, tp1 = runs["stored"]["tp2"], runs["stored"]["tp1"]
+    assert [n for n, _ in tp2] == [n for n, _ in tp1] == [one_part] * (4 * KV_HEADS)
+    # Head 1's parts (TP 2: rank 1's) name their chunk's anchor, head 0's part (rank 0's).
+    parts = ChunkParts(KV_HEADS, ((0, LAYERS),))
+    assert [anchor for _, anchor in tp2] == _anchors(a["keys"][0], parts)
+    assert [anchor for _, anchor in tp1] == _anchors(b1["keys"][2], parts)
+    assert sum(anchor is not None for _, anchor in tp2) == 4 * (KV_HEADS - 1)
 
 
 def test_tp1_loads_what_tp2_stored(runs):
@@ -189,6 +203,9 @@ def pp_run(etcd_server, model, prompts, tmp_path_factory):
                 stored_all.touch()
                 out = instance.result(timeout=600)
                 stored = {k for n in client.members for k in client.list_keys(n)}
+                stages = ChunkParts(KV_HEADS, ((0, 1), (1, 2)))
+                out["anchors"] = [c.meta.anchor if c is not None else b"missing"
+                                  for c in client.get(stages.keys([bytes.fromhex(k) for k in out["keys"][1]]))]
         finally:
             instance.stop()
     return out, stored
@@ -202,6 +219,9 @@ def test_pp2_stages_store_and_load_their_own_layers(pp_run, prompts):
     keys = [bytes.fromhex(k) for k in out["keys"][1]]
     stages = ChunkParts(KV_HEADS, ((0, 1), (1, 2)))
     assert set(stages.keys(keys)) <= stored
+    # Every part but head 0 of the first stage (both stages' workers) names that part as its anchor.
+    assert out["anchors"] == _anchors(out["keys"][1], stages)
+    assert out["anchors"][:4] == [None] + [ChunkPart(0, 0, 1).key(keys[0])] * 3
     assert stored.isdisjoint(ChunkPart(h, 0, LAYERS).key(k) for h in range(KV_HEADS) for k in keys)
     assert r[1]["cached"] == 0 and r[2]["cached"] == 4 * CHUNK
     assert r[1]["tokens"] == r[0]["tokens"] and r[2]["tokens"] == r[0]["tokens"]

@@ -15,7 +15,7 @@ import urllib.request
 
 import numpy as np
 import zmq
-from kv_event_tap import EventTap, removed_hashes, replay, stored_hashes
+from kv_event_tap import EventTap, credited, removed_hashes, replay, stored_hashes
 from polling import read_until, wait_for
 from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
 
@@ -53,19 +53,6 @@ def _chained(events) -> bool:
     return True
 
 
-def _pool(events) -> set:
-    """What a consumer applying ``events`` in order ends up crediting."""
-    held: set = set()
-    for e in events:
-        if isinstance(e, AllBlocksCleared):
-            held.clear()
-        elif isinstance(e, BlockStored):
-            held.update(e.block_hashes)
-        else:
-            held.difference_update(e.block_hashes)
-    return held
-
-
 def test_one_stream_chains_a_prompt_across_nodes_and_recovers_a_lapse_and_a_restart(cluster_factory):
     cluster = cluster_factory(nodes=3, memory=8 << 20, contract=Contract(chunk_size=CHUNK))
     with PoolEvents(cluster.etcd, cluster.cluster, RelaySettings(check_interval=0.5), interval=0.2) as stream, \
@@ -76,7 +63,7 @@ def test_one_stream_chains_a_prompt_across_nodes_and_recovers_a_lapse_and_a_rest
             items = [_chunk(i) for i in range(8)]
             assert client.put_many(items) == [1] * 8
             assert len({client.owners(i.key)[0] for i in items}) == 3  # spread over the nodes
-            wait_for(lambda: _pool(tap.events()) == set(range(32)), 10, "the prompt's 32 blocks on the stream")
+            wait_for(lambda: credited(tap.events()) == set(range(32)), 10, "the prompt's 32 blocks on the stream")
             assert _chained(tap.events())
             seqs = [seq for _, seq, _ in tap.batches]
             assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one sequence, no gap
@@ -98,17 +85,17 @@ def test_one_stream_chains_a_prompt_across_nodes_and_recovers_a_lapse_and_a_rest
             later = [_chunk(i, prompt=1) for i in range(12) if i not in missed]
             assert client.put_many(later) == [1] * len(later)
             every = set(range(32)) | {1000 + b for b in range(48)} | {2000, 2001, 2002, 2003}
-            wait_for(lambda: _pool(tap.events()) == every, 10, "the missed batches recovered")
+            wait_for(lambda: credited(tap.events()) == every, 10, "the missed batches recovered")
             assert stream.stats()["recovered"] >= len(missed) and _chained(tap.events())
 
             # A subscriber that joins now gets the whole pool at once (the publisher is an XPUB).
             late = EventTap([stream.events_addr])
             try:
-                wait_for(lambda: _pool(late.events()) == every, 10, "the late subscriber's snapshot")
+                wait_for(lambda: credited(late.events()) == every, 10, "the late subscriber's snapshot")
                 assert isinstance(late.events()[0], AllBlocksCleared) and _chained(late.events())
             finally:
                 late.close()
-            assert _pool(tap.events()) == every  # the others applied the same reset
+            assert credited(tap.events()) == every  # the others applied the same reset
 
             # A node restarted empty: exactly what it held is withdrawn, with what chains through it.
             index = next(i for i, n in enumerate(cluster.nodes) if n.node_id == owner)
@@ -120,12 +107,12 @@ def test_one_stream_chains_a_prompt_across_nodes_and_recovers_a_lapse_and_a_rest
             expected |= {1000 + b for b in range(4 * first_gone_1)}
             if client.owners(_chunk(0, prompt=2).key)[0] == owner:
                 expected -= {2000, 2001, 2002, 2003}
-            wait_for(lambda: _pool(tap.events()) == expected, 30, "the restarted node's chunks withdrawn")
+            wait_for(lambda: credited(tap.events()) == expected, 30, "the restarted node's chunks withdrawn")
             assert removed_hashes(tap.events()) and stored_hashes(tap.events())
 
             # Its replay socket serves the stream's history from the start, as vLLM's does.
             history = replay(stream.replay_addr)
-            assert _pool(e for _, b in history for e in b.events) == expected
+            assert credited(e for _, b in history for e in b.events) == expected
         finally:
             tap.close()
 
@@ -183,26 +170,26 @@ def test_a_node_whose_history_no_longer_starts_at_0_is_under_credited_never_over
         tap = EventTap([relay.events_addr])
         relay.set_sources({"node-a": node.source})
         # a[1]'s store is gone, so a[2], a[3] (held, chained through it) wait; b's chain is credited.
-        wait_for(lambda: _pool(tap.events()) == _blocks(b[0], b[1]), 10, "prompt 1's chain on the stream")
+        wait_for(lambda: credited(tap.events()) == _blocks(b[0], b[1]), 10, "prompt 1's chain on the stream")
         stats = relay.stats()
         assert stats["incomplete"] == 1 and stats["nodes"] == 1
         assert stats["blocks_held"] == len(_blocks(b[0], b[1], a[2], a[3])) and stats["blocks_published"] == 8
-        assert _pool(tap.events()) < node.holds()
+        assert credited(tap.events()) < node.holds()
 
         # Live batches are followed: a chain that grows from a credited block, a new prompt, a
         # first block stored again; a[4] still waits behind a[1], and a removal withdraws what
         # chains through it (b[2]) even though the node holds it.
         for item in (b[2], c0, a[4], a[0]):
             node.store(item)
-        wait_for(lambda: _pool(tap.events()) == _blocks(*b, c0, a[0]), 10, "the live stores on the stream")
+        wait_for(lambda: credited(tap.events()) == _blocks(*b, c0, a[0]), 10, "the live stores on the stream")
         node.remove(b[1])
         expected = _blocks(b[0], c0, a[0])
-        wait_for(lambda: _pool(tap.events()) == expected, 10, "the live removal on the stream")
+        wait_for(lambda: credited(tap.events()) == expected, 10, "the live removal on the stream")
         assert expected < node.holds() and _chained(tap.events())
-        assert not _blocks(a[1], a[2], a[3], a[4]) & _pool(tap.events())
+        assert not _blocks(a[1], a[2], a[3], a[4]) & credited(tap.events())
         seqs = [seq for _, seq, _ in tap.batches]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-        assert _pool(e for _, batch in replay(relay.replay_addr) for e in batch.events) == expected
+        assert credited(e for _, batch in replay(relay.replay_addr) for e in batch.events) == expected
         assert relay.stats()["incomplete"] == 1  # the live batches came in sequence: no other resync
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
@@ -258,7 +245,7 @@ def test_kvring_events_runs_the_stream_as_a_process_of_its_own(cluster_factory):
             with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
                 wait_for(lambda: isinstance((tap.events() or [None])[0], AllBlocksCleared), 10, "the snapshot")
                 assert client.put_many([_chunk(i, prompt=3) for i in range(3)]) == [1] * 3
-            wait_for(lambda: _pool(tap.events()) == set(range(3000, 3012)), 10, "the prompt on the stream")
+            wait_for(lambda: credited(tap.events()) == set(range(3000, 3012)), 10, "the prompt on the stream")
         finally:
             tap.close()
         proc.terminate()
