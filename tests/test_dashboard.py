@@ -82,8 +82,10 @@ def _node_values(cluster, node) -> dict[str, float]:
 
 
 def _stored_ever(cluster) -> float:
-    """Chunk parts the nodes hold plus those they evicted: every part ever stored (no deletes here)."""
+    """Chunk parts the nodes hold, plus those they evicted, plus the anchors deleted for chunks
+    that lost a part to an eviction: every part ever stored (nothing else deletes here)."""
     return sum(v.get("kvring_node_chunks", 0) + v.get("kvring_node_evictions_total", 0)
+               + v.get("kvring_node_anchor_anchors_deleted_total", 0)
                for v in (_node_values(cluster, n) for n in cluster.nodes))
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import threading
 import time
 import urllib.request
 
+import msgspec
 import numpy as np
 import pytest
 from kv_event_tap import EventTap, credited
@@ -26,7 +28,7 @@ from kvring.cachenode.server import Server
 from kvring.cachenode.store import ChunkStore
 from kvring.common.chunk import ChunkBlocks, ChunkItem
 from kvring.common.contract import Contract
-from kvring.common.errors import KVRingError
+from kvring.common.errors import KVRingError, ProtocolError
 from kvring.events.relay import RelaySettings
 
 MIB = 1 << 20
@@ -117,6 +119,31 @@ def test_a_part_a_node_evicts_takes_its_chunk_off_the_pool_stream_unless_another
             tap.close()
 
 
+def test_an_owner_that_does_not_answer_keeps_the_chunk(cluster_factory):
+    """A node lets go a copy of chunk C's part 2 whose owner is stopped (SIGSTOP): it cannot be
+    told that the owner holds the part, so it keeps C's anchor, counted as held elsewhere, rather
+    than delete a chunk that may be whole.  The owner resumed, C is whole and its anchor there."""
+    cluster = cluster_factory(nodes=3, memory=8 * MIB, contract=Contract(chunk_size=CHUNK), node_args=["--no-handoff"])
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster, timeout=2.0) as client:
+        c = _find(client, lambda owners: len(set(owners)) == 2 and owners[0] != owners[2])
+        owner = client.owners(c[2].key)[0]
+        flooded = next(n for n in client.members if n not in (owner, client.owners(c[0].key)[0]))  # no part of C
+        assert client.put_many(c) == [1] * PARTS
+        assert client.put_to({flooded: [c[2]]})[flooded] == [True]  # a copy beside its owner's
+        stopped = next(n for n in cluster.nodes if n.node_id == owner)
+        stopped.proc.send_signal(signal.SIGSTOP)
+        try:
+            _flood(client, flooded, {c[2].key})
+            wait_for(lambda: client.stats()[flooded]["anchors"]["held_elsewhere"] == 1, 15,
+                     "the copy's owner asked, and kept as held elsewhere")
+        finally:
+            stopped.proc.send_signal(signal.SIGCONT)
+        counts = client.stats()[flooded]["anchors"]
+        assert counts["anchors_deleted"] == 0 and counts["failed"] == 0
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as fresh:  # (the first ejected the stopped node)
+        assert fresh.lookup([p.key for p in c]) == [True] * PARTS
+
+
 def _credited_but_broken(client: ClusterClient, chunks: list[list[ChunkItem]], pool: set) -> list[int]:
     """The chunks whose blocks the pool stream credits though a part of theirs is held nowhere
     (looked at in the nodes' key lists: a LOOKUP would count as a use)."""
@@ -148,6 +175,20 @@ def test_under_churn_every_chunk_the_pool_stream_credits_can_be_loaded_whole(clu
             assert deleted > 0
         finally:
             tap.close()
+
+
+def test_an_anchor_that_cannot_be_a_key_is_refused(cluster_factory):
+    cluster = cluster_factory(nodes=1, memory=8 * MIB, contract=Contract(chunk_size=CHUNK))
+    with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+        node = next(iter(client.members))
+        good = _chunk(os.urandom(15))[1]
+        for what, anchor in {"empty": b"", "longer than a key": b"k" * 65}.items():
+            item = ChunkItem(good.key, good.payload, msgspec.structs.replace(good.meta, anchor=anchor))
+            assert client.put_to({node: [item]}) == {node: [False]}, what
+            with pytest.raises(ProtocolError, match="anchor"):
+                good.with_anchor(anchor)
+        assert client.holders(node, [good.key]) == [False]
+        assert client.put_to({node: [good]}) == {node: [True]}  # the node still serves
 
 
 class _Gone:
