@@ -28,7 +28,7 @@ class NodeEvents:
         if meta.blocks is not None:
             self.blocks_changed(True, meta.blocks)
 
-    def removed(self, key: bytes, meta: ChunkMeta, evicted: bool = False) -> None:
+    def removed(self, key: bytes, meta: ChunkMeta) -> None:
         if meta.blocks is not None:
             self.blocks_changed(False, meta.blocks)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -151,33 +152,45 @@ def test_a_call_whose_connection_another_call_closes_fails_as_etcd_and_a_cancell
     assert cancelled
 
 
-def test_the_registrar_registers_again_after_its_refresh_is_cancelled_under_it(etcd_server):
-    settings = EtcdSettings.parse(etcd_server.endpoint, cluster=f"registrar-{next(_clusters)}", timeout=2.0)
+def _through(etcd: Etcd, arm: Callable[[Registrar], Callable[[], bool]]) -> tuple[Registrar, bool, NodeState | None]:
+    """A registrar of ``node-0`` on ``etcd``: once it is registered, ``arm(registrar)`` sets a
+    failure up and returns when the registrar is back from it, which is waited for (10 s), its
+    task never ending meanwhile.  The registrar, whether its task ended, and the state etcd holds."""
     record = NodeRecord("node-0", "tcp://127.0.0.1:1", "http://127.0.0.1:2", 1 << 20)
 
-    async def run() -> tuple[int, bool, NodeState | None]:
-        etcd = _ClosedUnderRefresh(settings)
+    async def run() -> tuple[Registrar, bool, NodeState | None]:
         registrar = Registrar(etcd, record, Contract(), ttl=2)
         registrar.set_state(NodeState.ACTIVE)
         task = asyncio.ensure_future(registrar.run())
         try:
             await asyncio.wait_for(registrar.registered.wait(), 10)
-            first_lease = registrar.lease_id
-            etcd.armed = True  # the next refresh (within 1 s, a third of the TTL)
+            back = arm(registrar)
             deadline = asyncio.get_running_loop().time() + 10
-            while not (etcd.closed_under and registrar.registered.is_set() and registrar.lease_id != first_lease):
+            while not back():
                 assert not task.done(), f"the registrar ended: {task.exception()!r}"
                 assert asyncio.get_running_loop().time() < deadline, "not registered again within 10 s"
                 await asyncio.sleep(0.05)
-            return etcd.closed_under, task.done(), await _recorded(etcd, "node-0")
+            return registrar, task.done(), await _recorded(etcd, "node-0")
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await registrar.deregister()
             await etcd.close()
 
-    closed_under, ended, recorded = asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)
-    assert closed_under == 1 and not ended
+    return asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)
+
+
+def test_the_registrar_registers_again_after_its_refresh_is_cancelled_under_it(etcd_server):
+    settings = EtcdSettings.parse(etcd_server.endpoint, cluster=f"registrar-{next(_clusters)}", timeout=2.0)
+    etcd = _ClosedUnderRefresh(settings)
+
+    def arm(registrar: Registrar) -> Callable[[], bool]:
+        first_lease = registrar.lease_id
+        etcd.armed = True  # the next refresh (within 1 s, a third of the TTL)
+        return lambda: bool(etcd.closed_under and registrar.registered.is_set() and registrar.lease_id != first_lease)
+
+    _, ended, recorded = _through(etcd, arm)
+    assert etcd.closed_under == 1 and not ended
     assert recorded == NodeState.ACTIVE  # registered again, under a new lease
 
 
@@ -220,28 +233,12 @@ class _FailsOnce(Etcd):
 
 def test_an_unforeseen_failure_does_not_end_the_registrar(etcd_server, caplog):
     settings = EtcdSettings.parse(etcd_server.endpoint, cluster=f"registrar-{next(_clusters)}", timeout=2.0)
-    record = NodeRecord("node-0", "tcp://127.0.0.1:1", "http://127.0.0.1:2", 1 << 20)
+    etcd = _FailsOnce(settings)
 
-    async def run() -> tuple[int, bool, NodeState | None]:
-        etcd = _FailsOnce(settings)
-        registrar = Registrar(etcd, record, Contract(), ttl=2)
-        registrar.set_state(NodeState.ACTIVE)
-        task = asyncio.ensure_future(registrar.run())
-        try:
-            await asyncio.wait_for(registrar.registered.wait(), 10)
-            etcd.armed = True  # the record check after the next refresh
-            deadline = asyncio.get_running_loop().time() + 10
-            while etcd.armed or registrar.registrations < 2:
-                assert not task.done(), f"the registrar ended: {task.exception()!r}"
-                assert asyncio.get_running_loop().time() < deadline, "not registered again within 10 s"
-                await asyncio.sleep(0.05)
-            return registrar.registrations, task.done(), await _recorded(etcd, "node-0")
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await registrar.deregister()
-            await etcd.close()
+    def arm(registrar: Registrar) -> Callable[[], bool]:
+        etcd.armed = True  # the record check after the next refresh
+        return lambda: not etcd.armed and registrar.registrations >= 2
 
-    registrations, ended, recorded = asyncio.run_coroutine_threadsafe(run(), etcd_loop()).result(30)
-    assert registrations == 2 and not ended and recorded == NodeState.ACTIVE
+    registrar, ended, recorded = _through(etcd, arm)
+    assert registrar.registrations == 2 and not ended and recorded == NodeState.ACTIVE
     assert "unforeseen failure" in caplog.text  # logged with its traceback
