@@ -257,12 +257,16 @@ class Exchange:
             live = [c for c in self._conns.values() if c.outstanding or c.out]
             if not live:
                 return
+            broke = False
             for conn in live:  # write first: requests go out before we wait
                 if conn.out:
                     try:
                         conn.out.write(conn.sock)
                     except ConnectionClosed as exc:
                         self._break(conn, NodeUnavailable(f"node {conn.node_id}: {exc}"))
+                        broke = True
+            if broke:  # that connection is closed now: yield its failure, and wait on the others only
+                continue
             now = time.monotonic()
             for conn in live:
                 if conn.heard == UNSENT:

@@ -283,6 +283,48 @@ def test_a_client_kept_off_a_cpu_past_its_timeout_does_not_blame_the_node(cluste
         links.close()
 
 
+def test_a_connection_reset_as_a_request_is_sent_fails_that_node_alone(cluster_factory):
+    """A node that resets a connection between the client taking it and sending on it (a node
+    closing the connections a dropped CA admitted, a node restarting): the send fails, that node's
+    request is a ``NodeUnavailable`` failure, and the request to the other node in the same
+    exchange is answered.  The resetting peer is a plain socket that accepts and resets, since a
+    real node cannot be made to close at that instant; the other node is real."""
+    import socket
+    import struct
+    import threading
+
+    from kvring.common.errors import NodeUnavailable
+
+    cluster = cluster_factory(nodes=1)
+    node = cluster.nodes[0]
+    listener = socket.create_server(("127.0.0.1", 0))
+    reset_done = threading.Event()
+
+    def accept_and_reset() -> None:
+        peer, _ = listener.accept()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+        peer.close()
+        reset_done.set()
+
+    threading.Thread(target=accept_and_reset, daemon=True).start()
+    links = Links(connect_timeout=5, buffer_pool_bytes=16 << 20)
+    links.update({node.node_id: node.data_addr, "resetter": f"127.0.0.1:{listener.getsockname()[1]}"})
+    try:
+        with Exchange(links, timeout=5) as ex:
+            lost = ex.request("resetter", P.Lookup(rid=next_rid(), keys=[b"k" * 16]))
+            asked = ex.request(node.node_id, P.Lookup(rid=next_rid(), keys=[b"k" * 16]))
+            assert reset_done.wait(5)
+            time.sleep(0.2)  # the reset has arrived before the first send, which it fails
+            events = list(ex.events())
+        failures = [e for e in events if not isinstance(e, Reply)]
+        replies = [e for e in events if isinstance(e, Reply)]
+        assert [(f.node_id, f.rids, type(f.error)) for f in failures] == [("resetter", [lost], NodeUnavailable)]
+        assert [(r.node_id, r.rid, type(r.msg)) for r in replies] == [(node.node_id, asked, P.LookupReply)]
+    finally:
+        links.close()
+        listener.close()
+
+
 def test_a_chunk_missing_on_its_primary_is_found_and_read_on_its_replica(cluster_factory):
     """Replication protects: a primary that does not hold a chunk (restarted empty, or evicted
     it) is a miss there, not a miss of the cluster -- lookups, GETs and streamed GETs go on to
