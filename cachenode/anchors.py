@@ -23,7 +23,9 @@ anchors stay, as they would without this); a batch that fails (etcd or the owner
 counted ``failed`` and dropped, not retried.  A delete that races a new save of the same chunk
 costs that chunk (its next lookup misses, it is computed and saved again), never wrong KV: a
 chunk without its anchor is a miss.  Deletes and flushes do not come here: whoever deleted
-a chunk deleted what it meant to.
+a chunk deleted what it meant to.  A part lost where no node sees it go (its node killed, or
+restarted without its disk) is found by the connector's lookups instead, which delete the anchor
+the same way (``ClusterClient.drop_anchors``; ``kvring.connector.broken_chunks``).
 """
 
 from __future__ import annotations
@@ -118,10 +120,7 @@ class AnchorDrops:
                 client.close()
 
     def _drop(self, client: ClusterClient, taken: dict[bytes, bytes]) -> None:
-        parts = list(taken)
-        nowhere = client.held_nowhere(parts)
-        anchors = sorted({taken[part] for part, gone in zip(parts, nowhere) if gone})
-        deleted = client.delete(anchors) if anchors else 0
+        dropped = client.drop_anchors(taken)
         with self._lock:
-            self.counts.held_elsewhere += sum(1 for gone in nowhere if not gone)
-            self.counts.anchors_deleted += deleted
+            self.counts.held_elsewhere += dropped.held
+            self.counts.anchors_deleted += dropped.copies_deleted

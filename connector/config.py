@@ -50,6 +50,11 @@ class ConnectorConfig:
     # Abandon a load (its blocks recompute) after this many milliseconds; 0 = twice the predicted
     # recompute time, within [200 ms, timeout] for async, [1 s, timeout] for layerwise and bulk.
     load_deadline_ms: float = 0.0
+    # A chunk a lookup finds with its anchor (the part that names its blocks to the pool's KV
+    # events) but without another part a load needs is checked again this many milliseconds
+    # later; if no owner holds that part, its anchor is deleted, so routers stop being told the
+    # pool holds it (0: never).
+    withdraw_broken_after_ms: float = 5000.0
     # Do not start a load that is predicted to take longer than recomputing its tokens (from
     # the load bandwidth and the prefill speed this instance measured).
     load_admission: bool = True
@@ -83,7 +88,7 @@ class ConnectorConfig:
                              "(KVRING_RECEIVE_BUFFER_MB)")
         if self.lookup_lease_ms < 0:
             raise ValueError(f"lookup_lease_ms must be >= 0, got {self.lookup_lease_ms} (KVRING_LOOKUP_LEASE_MS)")
-        for name in ("lookup_deadline_ms", "lookup_wait_ms", "load_deadline_ms"):
+        for name in ("lookup_deadline_ms", "lookup_wait_ms", "load_deadline_ms", "withdraw_broken_after_ms"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 milliseconds, got {getattr(self, name)} "
                                  f"(KVRING_{name.upper()})")

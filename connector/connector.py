@@ -164,6 +164,8 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
         self.client.close()
 
     # ---- scheduler side -------------------------------------------------------------------

@@ -81,6 +81,14 @@ class ChunkPart:
 
 
 @dataclass(frozen=True, slots=True)
+class BrokenChunk:
+    """A chunk a lookup found with its anchor and without some of the parts that carry it."""
+
+    chunk: int  # its position in the lookup
+    missing: tuple[ChunkPart, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkParts:
     """Every part of a chunk of one model served with ``stages`` (the layer range of each
     pipeline stage, in order): what a lookup must find before a chunk counts as present."""
@@ -109,6 +117,25 @@ class ChunkParts:
         """Per chunk: all of its parts present (``part_present`` in the order of ``keys``)."""
         n = len(self.parts)
         return [all(part_present[i:i + n]) for i in range(0, len(part_present), n)]
+
+    def broken(self, part_present: Sequence[bool]) -> list[BrokenChunk]:
+        """The chunks whose anchor is present and one of the parts that carry it is not, each
+        with the parts missing (``part_present`` in the order of ``keys``): chunks the pool's KV
+        events credit that no load can take whole (``broken_chunks.py``)."""
+        parts = self.parts
+        anchor = self.anchor
+        if anchor is None:
+            return []
+        at = parts.index(anchor)
+        carried = [i for i, p in enumerate(parts) if p.anchored_by(anchor)]
+        n = len(parts)
+        found = []
+        for c, start in enumerate(range(0, len(part_present), n)):
+            if part_present[start + at]:
+                missing = tuple(parts[i] for i in carried if not part_present[start + i])
+                if missing:
+                    found.append(BrokenChunk(c, missing))
+        return found
 
     def leading_hits(self, part_present: Sequence[bool], chunk_size: int, load_end: Callable[[int], int],
                      block_size: int) -> int:

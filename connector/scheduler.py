@@ -26,6 +26,7 @@ from kvring.common.chunk import ChunkBlocks
 from .adapters import AdapterIdentities
 from .admission import LoadBytes, LoadCostModel
 from .block_events import chunk_blocks
+from .broken_chunks import BrokenChunks
 from .config import ConnectorConfig
 from .keys import KVLayout
 from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
@@ -111,6 +112,12 @@ class SchedulerSide:
         self._late_meters: collections.deque[ReadMeter] = collections.deque()
         self.new_step()
         self._late = _LateLookups()
+        self.broken = (BrokenChunks(client, self.counters, config.withdraw_broken_after_ms / 1000)
+                       if config.withdraw_broken_after_ms > 0 and self.parts.anchor is not None else None)
+
+    def shutdown(self) -> None:
+        if self.broken is not None:
+            self.broken.close()
 
     # ---- lookups --------------------------------------------------------------------------
 
@@ -155,12 +162,16 @@ class SchedulerSide:
             n_tokens = len(lookup.inputs.tokens)
             try:
                 # A chunk is a hit when the load that ends with it finds every part it needs.
-                lookup.hit_chunks = self.parts.leading_hits(fut.result(), self.chunk,
+                present = fut.result()
+                lookup.hit_chunks = self.parts.leading_hits(present, self.chunk,
                                                             lambda k: self._load_end(k, n_tokens), self.block_size)
             except Exception as exc:  # the cluster could not answer: a miss, never an error in vLLM
                 logger.warning("kvring lookup for request %s failed, recomputing: %s", req_id, exc)
                 self.counters.add(lookup_errors=1)
                 lookup.hit_chunks = 0
+            else:
+                if self.broken is not None:
+                    self._report_broken(lookup.keys, present)
             transfers = lookup.meter.transfers()
             self.cost.looked_up(transfers)
             hits = sum(t.hits for t in transfers)
@@ -172,6 +183,14 @@ class SchedulerSide:
             self._late.note(req_id, self.config.lookup_deadline_ms)
             lookup.hit_chunks = 0
         return lookup.hit_chunks
+
+    def _report_broken(self, keys: list[bytes], present: list[bool]) -> None:
+        """Hand the chunks the lookup found broken (anchor held, a part it carries gone) to
+        ``broken_chunks.py``, which withdraws them if no owner holds the part."""
+        anchor = self.parts.anchor
+        for broken in self.parts.broken(present):
+            chunk_key = keys[broken.chunk]
+            self.broken.found(anchor.key(chunk_key), [part.key(chunk_key) for part in broken.missing])
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         start = time.perf_counter()

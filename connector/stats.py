@@ -45,6 +45,11 @@ COUNTERS: dict[str, str] = {
     "failed_saves": "Chunk parts whose save failed (dropped; a later request recomputes their chunks)",
     "node_failures": "Requests a cache node did not answer (timed out, unreachable; a load abandoned while it "
                      "still owed bytes): admission refuses loads from it until one succeeds again",
+    "broken_chunks": "Chunks a lookup found with their anchor (the part that names their blocks to the pool's KV "
+                     "events) but without another part a load needs",
+    "broken_chunks_withdrawn": "Of those, chunks whose missing part no owner held withdraw_broken_after_ms later: "
+                               "their anchor was deleted, so the pool's KV events stop crediting them",
+    "broken_chunks_skipped": "Chunks found broken and not checked: too many already waited (they stay credited)",
     "scheduler_hook_seconds": "Seconds the connector's hooks held vLLM's scheduler loop",
 }
 # name -> (help text, its reasons): {reason: count}, exported with a ``reason`` label.

@@ -1,7 +1,7 @@
 """The cluster client (``ClusterClient``), the data plane's Python API; see ``cluster.py``."""
 
-from .cluster import ClusterClient
+from .cluster import AnchorsDropped, ClusterClient
 from .meter import ReadMeter, Transfer
 from .reads import Chunk, LayerBatch
 
-__all__ = ["Chunk", "ClusterClient", "LayerBatch", "ReadMeter", "Transfer"]
+__all__ = ["AnchorsDropped", "Chunk", "ClusterClient", "LayerBatch", "ReadMeter", "Transfer"]

@@ -20,6 +20,7 @@ import concurrent.futures
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from kvring.common import protocol as P
 from kvring.common.chunk import ChunkItem
@@ -35,6 +36,15 @@ from .reads import Chunk, LayerBatch, Place, Reads, readers_pay_off
 from .ringview import FailureMarks, Membership
 from .transport import Links, next_rid
 from .writes import Writes
+
+
+@dataclass(frozen=True)
+class AnchorsDropped:
+    """What ``ClusterClient.drop_anchors`` did."""
+
+    anchors: list[bytes]  # the anchors of parts held nowhere: deleted (their chunks withdrawn)
+    held: int  # parts some owner holds (or one owner did not answer for): their chunks kept
+    copies_deleted: int  # anchor copies deleted, on all the anchors' owners
 
 
 class ClusterClient:
@@ -182,6 +192,18 @@ class ClusterClient:
     def held_nowhere(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key: every owner answered and none holds it (``locate``'s strict form)."""
         return self.reads.held_nowhere(list(keys)) if keys else []
+
+    def drop_anchors(self, parts: Mapping[bytes, bytes]) -> AnchorsDropped:
+        """``parts``: chunk parts gone from somewhere, each with its chunk's anchor.  Every owner
+        of each part is asked whether it holds it (``held_nowhere``); the anchors of the parts
+        held nowhere are deleted on all their owners, so the pool's KV events withdraw their
+        chunks (``cachenode/anchors.py``).  A part with an owner that did not answer keeps its
+        chunk.  Raises ``KVRingError`` if the cluster cannot be asked."""
+        keys = list(parts)
+        nowhere = self.held_nowhere(keys)
+        anchors = sorted({parts[key] for key, gone in zip(keys, nowhere) if gone})
+        copies = self.delete(anchors) if anchors else 0
+        return AnchorsDropped(anchors, held=sum(1 for gone in nowhere if not gone), copies_deleted=copies)
 
     def get(self, keys: Sequence[bytes], layers: tuple[int, int] | None = None,
             node: str | None = None) -> list[Chunk | None]:

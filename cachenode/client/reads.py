@@ -228,7 +228,9 @@ class Reads:
 
     def held_nowhere(self, keys: list[bytes]) -> list[bool]:
         """Per key: every owner (current and, right after a ring change, previous) answered, and
-        none holds it.  A key with an owner that did not answer is not held nowhere."""
+        none holds it.  A key with an owner that did not answer is not held nowhere; a previous
+        owner that is no longer a member (it left, it was killed) holds nothing a read can
+        reach."""
         candidates, found, silent = self._ask_owners(keys)
         return [not got and not silent.intersection(owners) for owners, got in zip(candidates, found)]
 
@@ -245,7 +247,7 @@ class Reads:
             for node_id in owners:
                 if node_id in self.links:
                     ask[node_id].append(i)
-                else:
+                elif node_id in view.members:  # a member this client has no link to
                     silent.add(node_id)
         found: list[set[str]] = [set() for _ in keys]
         asked: dict[int, tuple[str, list[int]]] = {}

@@ -184,6 +184,7 @@ def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
                 break
             time.sleep(0.01)
         lookup = sched._lookups["r1"]
+        sched.shutdown()
     assert [k.hex() for k in lookup.keys] == [c["key"] for c in body["chunks"]]
     assert lookup.hit_chunks == body["matched_chunks"] and external == body["matched_tokens"]
 
@@ -228,6 +229,7 @@ def test_a_hybrid_layouts_prefix_needs_its_windows_parts_only_where_the_window_r
                 if sched.get_num_new_matched_tokens(request, 0)[0] is not None:
                     break
                 time.sleep(0.01)
+            sched.shutdown()
             return admin, sched._lookups["r"].hit_chunks
 
     # A load of all 5 chunks needs the window's part of chunk 4 only (tokens 1152-1279), missing.

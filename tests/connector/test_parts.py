@@ -11,7 +11,7 @@ import pytest
 
 from kvring.connector.keys import KVLayout, request_keys
 from kvring.connector.instance import stage_layers
-from kvring.connector.parts import ChunkPart, ChunkParts, RankShard, window_start
+from kvring.connector.parts import BrokenChunk, ChunkPart, ChunkParts, RankShard, window_start
 
 LAYOUT = KVLayout(model="m", config_fingerprint="f", kv_dtype="bfloat16", num_layers=4, num_kv_heads=4,
                   head_size=16, block_layout="BHNC", chunk_size=16)
@@ -88,6 +88,27 @@ def test_every_other_full_attention_part_names_the_announcing_part_as_its_anchor
     assert single.anchor == ChunkPart(0, 0, 4) and not single.anchor.anchored_by(single.anchor)
     no_full = ChunkParts(2, ((0, 2), (2, 4)), windows=(64, 64, 0, 0))  # the first stage slides only
     assert no_full.anchor is None and not any(p.anchored_by(no_full.anchor) for p in no_full.parts)
+
+
+def test_a_chunk_is_broken_when_its_anchor_is_present_and_a_part_carrying_it_is_not():
+    """What a lookup reports to ``broken_chunks.py``, in every shape: the chunks whose anchor is
+    present and some part that carries it missing, with those parts.  A chunk without its anchor
+    is not credited (nothing to withdraw); a window's part missing does not break a chunk."""
+    stages = LAYOUT.parts(((0, 2), (2, 4)))  # 4 heads x 2 stages: the anchor first
+    lost = ChunkPart(2, 2, 4)  # head 2 of the second stage
+    whole = [True] * len(stages.parts)
+    broken = [p != lost for p in stages.parts]
+    unanchored = [p != stages.anchor and p != lost for p in stages.parts]
+    assert stages.broken(whole + broken + unanchored + whole) == [BrokenChunk(1, (lost,))]
+    hybrid = HYBRID.parts()
+    missing_window = [p.window == 0 for p in hybrid.parts]
+    missing_full = [p != ChunkPart(1, 0, 4, 0) for p in hybrid.parts]
+    assert hybrid.broken(missing_window + missing_full) == [BrokenChunk(1, (ChunkPart(1, 0, 4, 0),))]
+    assert ChunkParts(1, ((0, 4),)).broken([True, False]) == []  # MLA, one stage: one part, nothing to break
+    mla_stages = ChunkParts(1, ((0, 2), (2, 4)))
+    assert mla_stages.broken([True, False, True, True]) == [BrokenChunk(0, (ChunkPart(0, 2, 4),))]
+    no_full = ChunkParts(2, ((0, 2), (2, 4)), windows=(64, 64, 0, 0))
+    assert no_full.broken([False] * len(no_full.parts)) == []
 
 
 def test_stage_layers_are_vllms_split():

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from polling import wait_for
 
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
@@ -124,6 +125,7 @@ def test_a_lookup_answers_on_a_later_call_and_is_sent_once(cluster):
         n2, _, _ = _poll(sched, again)
         assert n2 == 2 * CHUNK
     finally:
+        sched.shutdown()
         client.close()
 
 
@@ -165,6 +167,35 @@ def test_a_hung_node_delays_only_its_requests_and_only_until_the_deadline(cluste
         stats = sched.counters.take()
         assert stats.data["lookups_past_deadline"] == 1 and stats.data["lookups"] == 2
     finally:
+        sched.shutdown()
+        client.close()
+
+
+@pytest.mark.parametrize("after_ms", [300, 0])
+def test_a_chunk_one_rank_saved_is_withdrawn_after_the_lookup_that_finds_it(cluster, after_ms):
+    """Chunk 2 of a prompt has only rank 0's part (its anchor, which names its blocks to the pool's
+    KV events): the other rank's save failed.  The lookup counts chunks 0-1, reports chunk 2
+    broken, and ``withdraw_broken_after_ms`` later its anchor is deleted (no owner holds the
+    missing part), so the pool stops crediting it.  The whole chunks keep theirs.  With 0 the
+    connector withdraws nothing."""
+    sched, client = _scheduler(cluster, withdraw_broken_after_ms=after_ms)
+    try:
+        tokens = np.random.default_rng(5).integers(10, 30_000, size=3 * CHUNK + 5).tolist()
+        keys = request_keys(LAYOUT, tokens)
+        anchor = LAYOUT.parts().anchor
+        _store(client, keys[:2])
+        _store(client, keys[2:3], parts=[anchor.head])
+        assert _poll(sched, _request("r", tokens))[0] == 2 * CHUNK
+        if after_ms:
+            wait_for(lambda: client.lookup([anchor.key(keys[2])]) == [False], 10, "chunk 2's anchor deleted")
+        else:
+            time.sleep(1.0)
+        assert client.lookup([anchor.key(k) for k in keys]) == [True, True, not after_ms]
+        assert all(client.lookup(LAYOUT.parts().keys(keys[:2])))
+        data = sched.counters.take().data
+        assert (data["broken_chunks"], data["broken_chunks_withdrawn"]) == ((1, 1) if after_ms else (0, 0))
+    finally:
+        sched.shutdown()
         client.close()
 
 
@@ -180,6 +211,7 @@ def test_reset_cache_moves_every_key_to_a_new_weights_epoch(cluster):
         assert set(sched._lookups["after"].keys).isdisjoint(request_keys(LAYOUT, tokens))
         assert sched._lookups["after"].inputs.scope.weights_epoch == 1
     finally:
+        sched.shutdown()
         client.close()
 
 
@@ -187,14 +219,15 @@ def test_a_lookup_that_cannot_be_routed_is_a_miss_not_an_error(cluster_factory):
     cluster = cluster_factory(nodes=1)
     config = ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, lookup_deadline_ms=DEADLINE_MS)
     client = ClusterClient(cluster.etcd, cluster=cluster.cluster)
+    sched = SchedulerSide(config, LAYOUT, client, block_size=16, bytes_per_token=256)
     try:
         assert client.wait_for_nodes(1)
-        sched = SchedulerSide(config, LAYOUT, client, block_size=16, bytes_per_token=256)
         cluster.nodes[0].stop()
         assert client.wait_for_nodes(0, timeout=20, exact=True)
         assert _poll(sched, _request("r", list(range(600))))[0] == 0
         assert sched.counters.take().data["lookup_errors"] == 1
     finally:
+        sched.shutdown()
         client.close()
 
 
@@ -342,6 +375,7 @@ def test_admission_decides_once_per_request_however_often_vllm_asks(cluster):
         stats = sched.counters.take().data
         assert stats["loads_refused"] == {"slower": 1} and stats["lookups"] == 1
     finally:
+        sched.shutdown()
         client.close()
 
 
@@ -355,6 +389,7 @@ def test_a_request_whose_adapter_cannot_be_read_recomputes(cluster):
         stats = sched.counters.take()
         assert stats is None or stats.data["lookups"] == 0
     finally:
+        sched.shutdown()
         client.close()
 
 
@@ -371,4 +406,5 @@ def test_a_step_that_computes_nothing_is_marked_idle_for_the_workers(cluster):
         assert sched.build_connector_meta(step(0)).idle
         assert not sched.build_connector_meta(step(37)).idle
     finally:
+        sched.shutdown()
         client.close()
