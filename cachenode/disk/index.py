@@ -45,7 +45,8 @@ class Segment:
     journal: int = 0  # journal bytes
     keys: list[bytes] = field(default_factory=list)
     # Keys served from this segment since it was written (their second chance when it is evicted:
-    # ``DiskTier._carry_forward``); kept over a graceful stop (``marks.py``), not over a crash.
+    # ``DiskTier._carry_forward``); kept over a stop (``marks.py``): a graceful one, or a crash
+    # as of the last periodic save.
     read: set[bytes] = field(default_factory=set)
     readers: int = 0  # reads asked for and not done (``DiskTier.read``: pinned)
     kept: int = -1  # evicted while pinned: its data file, open until the last of them is done
@@ -60,7 +61,7 @@ class RebuildReport:
     chunks: int = 0
     bytes: int = 0
     cleared: str = ""  # why the directory was cleared ("" if it was not)
-    read_marks: int = 0  # second-chance marks a graceful stop kept, taken back (``marks.py``)
+    read_marks: int = 0  # second-chance marks the last run kept, taken back (``marks.py``)
     # What was dropped: journal bytes of torn entries, data bytes past the last journaled record,
     # entries naming bytes the data file does not have, segments missing one of their files, and
     # the bytes of the oldest segments over a capacity lowered since they were written.
@@ -80,6 +81,7 @@ class DiskIndex:
         self.entries: dict[bytes, Location] = {}
         self.segments: dict[int, Segment] = {}  # oldest first
         self.bytes = 0  # data and journal bytes of every segment
+        self.marks_version = 0  # read marks added so far (``marks.py`` saves them when it moved)
 
     def __len__(self) -> int:
         return len(self.entries)

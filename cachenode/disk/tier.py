@@ -25,7 +25,8 @@ journaled there (``carried``): a chunk in use outlives the cycling, and goes the
 unless it is read again meanwhile.  An evicted segment carries at most half its bytes (each
 eviction frees at least the other half, so the cycling cannot chase its own tail), and the open
 segment never grows past twice ``segment_bytes`` with them.  ``fifo`` carries nothing.  What
-was read is kept over a graceful stop (``marks.py``).
+was read is kept over a stop (``marks.py``): written every ``marks_interval`` seconds while it
+changes, by the writer thread, and at a graceful stop.
 
 Reads: ``read`` runs on a pool of ``read_threads`` threads, into a buffer from the node's pool;
 every record is checked (``records.parse_head``, ``records.check_payload``) before it is handed
@@ -108,12 +109,16 @@ class DiskConfig:
     scrub_rate: int = 16 << 20  # bytes a second the scrub reads at most (``scrub.py``); 0: no scrub
     scrub_interval: float = 86400.0  # seconds from the start of one scrub pass to the next, at least
     eviction: Eviction = Eviction.SECOND_CHANCE
+    marks_interval: float = 60.0  # seconds between saves of the read marks while they change (0: at a stop only)
 
     def __post_init__(self) -> None:
         if not self.directory:
             raise ValueError("--disk-dir must name a directory")
         if self.capacity < 16 << 20:
             raise ValueError("--disk-capacity must be at least 16MiB, e.g. --disk-capacity 100GiB")
+        if self.marks_interval < 0:
+            raise ValueError("--disk-marks-interval cannot be negative (0 keeps the read marks at a graceful stop "
+                             "only)")
         if self.scrub_rate < 0 or self.scrub_interval < 0:
             raise ValueError("--disk-scrub-rate and --disk-scrub-interval cannot be negative (a rate of 0 turns "
                              "the scrub off)")
@@ -191,6 +196,7 @@ class DiskTier:
         self._data_fd = self._journal_fd = -1
         self._next_number = 1
         self._journal_synced = time.monotonic()
+        self._marks_saved = (time.monotonic(), 0)  # when the read marks were last saved, and their version then
         self._stall_until = 0.0
         self.counts = dict.fromkeys(("written", "written_bytes", "write_skipped", "too_large", "full",
                                      "write_errors", "reads", "read_bytes", "read_errors", "read_gone", "corrupt",
@@ -464,8 +470,9 @@ class DiskTier:
                 self.counts["reads"] += 1
                 self.counts["read_bytes"] += meta.nbytes
                 segment = self.index.segments.get(location.segment)
-                if segment is not None and self.index.entries.get(key) is location:
+                if segment is not None and self.index.entries.get(key) is location and key not in segment.read:
                     segment.read.add(key)  # its second chance (``_carry_forward``)
+                    self.index.marks_version += 1
             if self.on_gone is not None:
                 meta = self._with_blocks(key, meta, location)
             result = ReadResult(meta, buf)
@@ -536,13 +543,19 @@ class DiskTier:
 
     def _write_loop(self) -> None:
         while True:
+            if self._marks_due():
+                self._save_marks()  # outside ``_cond``: it takes the index's lock, which ``_cond`` holds
             with self._cond:
                 while not self._queue and not self._closing:
                     self._cond.wait(JOURNAL_SYNC_SECONDS)
                     if not self._queue:
                         self._sync_journal_if_due()
-                if not self._queue and self._closing:
-                    return
+                        if self._marks_due():
+                            break
+                if not self._queue:
+                    if self._closing:
+                        return
+                    continue
                 batch, size = [], 0
                 while self._queue and len(batch) < BATCH_RECORDS and size < BATCH_BYTES:
                     item = self._queue.popleft()
@@ -656,6 +669,26 @@ class DiskTier:
         with self._cond:
             self._segment.journal += len(data)
             self.index.bytes += len(data)
+
+    def _marks_due(self) -> bool:
+        """``marks_interval`` seconds have passed since the read marks were last saved, and marks
+        were added since (a crash keeps those of the last save)."""
+        interval = self.config.marks_interval
+        at, version = self._marks_saved
+        return (interval > 0 and self.config.eviction is Eviction.SECOND_CHANCE
+                and time.monotonic() - at >= interval and self.index.marks_version != version)
+
+    def _save_marks(self) -> None:
+        """Write the read marks (the writer thread, holding no lock)."""
+        version = self.index.marks_version
+        try:
+            save_marks(self.directory, self.index)
+        except OSError as exc:
+            logger.warning("disk %s: the read marks could not be saved (%s); a crash would lose them",
+                           self.directory, exc.strerror)
+        except Exception:  # a bug must not stop the writer: only the marks are lost
+            logger.exception("disk %s: saving the read marks failed", self.directory)
+        self._marks_saved = (time.monotonic(), version)
 
     def _sync_journal_if_due(self) -> None:
         now = time.monotonic()

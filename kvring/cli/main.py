@@ -208,6 +208,9 @@ def node(
     disk_scrub_interval: Annotated[float, typer.Option(
         help="Seconds from the start of one scrub pass over the disk to the next, at least (the first starts "
              "with the node).", min=0)] = 86400.0,
+    disk_marks_interval: Annotated[float, typer.Option(
+        help="Seconds between saves of which chunks were read from disk (their second chance), while that "
+             "changes, so a crash keeps them; 0 saves them at a graceful stop only.", min=0)] = 60.0,
     disk_eviction: Annotated[str, typer.Option(
         help="Past the disk budget the oldest segment goes: second-chance first carries the chunks read from it "
              "since they were written to the newest segment, fifo lets them go too.")] = "second-chance",
@@ -245,7 +248,7 @@ def node(
             directory=disk_dir, capacity=_size(disk_capacity, "--disk-capacity"), sync=disk_sync,
             write_queue=_size(disk_write_queue, "--disk-write-queue"),
             scrub_rate=_size(disk_scrub_rate, "--disk-scrub-rate", zero=True), scrub_interval=disk_scrub_interval,
-            eviction=disk_eviction)
+            eviction=disk_eviction, marks_interval=disk_marks_interval)
         config = NodeConfig(
             node_id=node_id, memory=_size(memory, "--memory"), host=host, data_port=data_port,
             admin_port=admin_port, advertise_host=advertise_host,

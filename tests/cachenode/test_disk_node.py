@@ -19,6 +19,7 @@ from faults import inject
 from polling import wait_for
 
 from kvring.cachenode.client import ClusterClient
+from kvring.cachenode.disk.marks import MARKS_FILE
 from kvring.common.chunk import ChunkItem
 from kvring.common.contract import Contract
 from kvring.local.cluster import LocalCluster
@@ -106,30 +107,43 @@ def test_a_chunk_in_use_outlasts_the_disks_cycling_and_a_restart(cluster_factory
         assert _disk(client, "node-0")["reads"] == 1  # from the disk: memory restarted empty
 
 
-@pytest.mark.parametrize("eviction,restart", [("second-chance", False), ("second-chance", True), ("fifo", False)],
-                         ids=["second-chance", "second-chance, restarted after the read", "fifo"])
-def test_a_chunk_read_from_disk_gets_a_second_chance_when_its_segment_goes(cluster_factory, eviction, restart):
+@pytest.mark.parametrize("eviction,restart,marks_interval", [
+    ("second-chance", None, "60"), ("second-chance", "graceful", "60"), ("second-chance", "killed", "0.5"),
+    ("second-chance", "killed", "0"), ("fifo", None, "60")],
+    ids=["second-chance", "second-chance, restarted after the read", "second-chance, killed after a marks save",
+         "second-chance, killed, marks saved at a stop only", "fifo"])
+def test_a_chunk_read_from_disk_gets_a_second_chance_when_its_segment_goes(cluster_factory, eviction, restart,
+                                                                          marks_interval):
     """A chunk read from disk once (promoted into memory, then let go by memory again) is copied to
     the newest segment when its own goes, so a later request finds it: with the default
-    ``second-chance`` eviction, also where the node was restarted (SIGTERM: a rolling upgrade)
-    between the read and the eviction.  ``--disk-eviction fifo`` lets it go with its segment."""
-    cluster = cluster_factory(nodes=1, memory=4 << 20, disk=48 << 20, node_args=["--disk-eviction", eviction])
+    ``second-chance`` eviction, also where the node was restarted between the read and the
+    eviction -- gracefully (SIGTERM: a rolling upgrade), or killed (SIGKILL: a crash, an OOM kill)
+    after the writer's periodic save of the marks (``--disk-marks-interval``).  Killed with marks
+    saved only at a stop, it has lost its mark; ``--disk-eviction fifo`` lets it go with its
+    segment."""
+    cluster = cluster_factory(nodes=1, memory=4 << 20, disk=48 << 20,
+                              node_args=["--disk-eviction", eviction, "--disk-marks-interval", marks_interval])
     warm = 0
     with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
         assert client.wait_for_nodes(1)
         assert client.put_many([_item(i) for i in range(33)]) == [1] * 33  # memory (16 chunks) lets warm go
         wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
         assert _served(client, [warm]) == ([warm], []) and _disk(client, "node-0")["reads"] == 1
+        saved_in_time = restart != "killed" or float(marks_interval) > 0
+        if restart == "killed" and saved_in_time:
+            marks = os.path.join(cluster.nodes[0].disk_dir, MARKS_FILE)
+            wait_for(lambda: os.path.exists(marks), 10, "the writer's save of the read marks")
         if restart:
-            cluster.restart(0)  # memory comes back empty; the disk's marks come back
-            assert client.wait_for_nodes(1) and _disk(client, "node-0")["rebuild"]["read_marks"] == 1
+            cluster.restart(0, graceful=restart == "graceful")  # memory comes back empty; the disk's marks come back
+            assert client.wait_for_nodes(1)
+            assert _disk(client, "node-0")["rebuild"]["read_marks"] == int(saved_in_time)
         for start in range(33, 321, 8):  # 80 MiB through a 48 MiB disk: warm's segment goes
             assert client.put_many([_item(i) for i in range(start, start + 8)]) == [1] * 8
         wait_for(lambda: _settled(client, ["node-0"]), 20, "the disk writes")
         disk = _disk(client, "node-0")
         assert disk["eviction"] == eviction and disk["evicted_segments"] >= 1 and not client.lookup([_key(1)])[0]
         assert disk["rewritten"] == 0  # memory had let it go: only the second chance can keep it
-        kept = eviction == "second-chance"
+        kept = eviction == "second-chance" and saved_in_time
         assert disk["carried"] == int(kept)
         with urllib.request.urlopen(cluster.nodes[0].admin_addr + "/metrics", timeout=5) as reply:
             assert f"kvring_node_disk_carried_total {float(int(kept))}" in reply.read().decode()

@@ -16,7 +16,8 @@ import pytest
 from polling import wait_for
 
 from kvring.cachenode.disk.identity import DiskIdentity, DiskInUse
-from kvring.cachenode.disk.marks import MARKS_FILE
+from kvring.cachenode.disk.index import DiskIndex
+from kvring.cachenode.disk.marks import MARKS_FILE, load_marks, save_marks
 from kvring.cachenode.disk.records import DATA_SUFFIX, JOURNAL_SUFFIX, Stored, decode_blocks, segment_name
 from kvring.cachenode.disk.tier import DiskConfig, DiskTier, ReadResult
 from kvring.common.chunk import ChunkBlocks, ChunkItem
@@ -288,7 +289,8 @@ def test_what_was_read_keeps_its_second_chance_over_a_graceful_stop(tmp_path, ca
     """A graceful stop (a rolling upgrade) writes what was read from each segment; the next start
     takes it back, so the first eviction after it still carries what was read before it.  A
     damaged file, or one that cannot be read (a directory in its place), is ignored with a log
-    line: the node starts, nothing is carried, nothing wrong.  A file is gone after the start."""
+    line: the node starts, nothing is carried, nothing wrong.  A damaged file is removed at the
+    start; a good one stays until a save replaces it (a crash right after the start keeps it)."""
     tier, _ = _second_chance_tier(tmp_path)
     items = [_item(1 << 20) for _ in range(80)]
     _write(tier, items[:40])
@@ -305,7 +307,7 @@ def test_what_was_read_keeps_its_second_chance_over_a_graceful_stop(tmp_path, ca
         path.mkdir()
     with caplog.at_level(logging.WARNING, logger="kvring.cachenode.disk.marks"):
         tier, _ = _second_chance_tier(tmp_path)
-    assert path.is_dir() if marks == "unreadable" else not path.exists()
+    assert path.is_dir() if marks == "unreadable" else path.exists() == (marks == "kept")
     _write(tier, items[40:])  # the first segment goes
     carried = 3 if marks == "kept" else 0
     assert tier.stats()["rebuild"]["read_marks"] == carried and tier.stats()["carried"] == carried
@@ -313,6 +315,35 @@ def test_what_was_read_keeps_its_second_chance_over_a_graceful_stop(tmp_path, ca
     assert all(_intact(tier, item) for item in items[:carried])
     assert ("damaged" in caplog.text) == (marks == "damaged")
     assert ("cannot be read" in caplog.text) == (marks == "unreadable")
+    tier.close()
+
+
+def test_the_writer_saves_the_read_marks_while_they_change_and_not_otherwise(tmp_path):
+    """Every ``marks_interval`` the writer thread saves the marks if one was added since the last
+    save (a crash keeps them); with nothing new it writes nothing.  What it saved is what a start
+    takes back; with no marks left, a save removes the file."""
+    tier, _ = _second_chance_tier(tmp_path, marks_interval=0.2)
+    path = tmp_path / MARKS_FILE
+    items = [_item(1 << 20) for _ in range(10)]
+    _write(tier, items)
+    time.sleep(0.5)
+    assert not path.exists()  # nothing read: nothing to save
+    assert _same(tier, items[0]) and _same(tier, items[1])
+    wait_for(path.exists, 5, "the writer's save of two marks")
+    saved = path.stat().st_mtime_ns
+    assert _same(tier, items[0])  # read again: no new mark
+    time.sleep(0.6)
+    assert path.stat().st_mtime_ns == saved
+    assert _same(tier, items[2])
+    wait_for(lambda: path.stat().st_mtime_ns != saved, 5, "the save of the third mark")
+    index = DiskIndex()
+    for number, segment in tier.index.segments.items():
+        index.segments[number] = type(segment)(number)
+    index.entries.update(tier.index.entries)
+    assert load_marks(str(tmp_path), index) == 3 and path.exists()  # a good file stays until replaced
+    for segment in tier.index.segments.values():
+        segment.read.clear()
+    assert save_marks(str(tmp_path), tier.index) == 0 and not path.exists()
     tier.close()
 
 
