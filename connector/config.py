@@ -37,6 +37,9 @@ class ConnectorConfig:
     # Also save the whole chunks that decoding fills (prompt + generated tokens), so a follow-up
     # turn that carries the answer in its prompt loads it too.
     save_decode_cache: bool = False
+    # How long vLLM's start waits for the cluster (etcd and its contract), in milliseconds;
+    # past it vLLM serves without it (every request recomputes) until it is reached.
+    attach_wait_ms: float = 10_000.0
     # Seconds to wait for a node before its chunks count as failed (then recomputed).
     timeout: float = 5.0
     # How long a lookup protects the chunks it found from eviction, in milliseconds.
@@ -88,7 +91,8 @@ class ConnectorConfig:
                              "(KVRING_RECEIVE_BUFFER_MB)")
         if self.lookup_lease_ms < 0:
             raise ValueError(f"lookup_lease_ms must be >= 0, got {self.lookup_lease_ms} (KVRING_LOOKUP_LEASE_MS)")
-        for name in ("lookup_deadline_ms", "lookup_wait_ms", "load_deadline_ms", "withdraw_broken_after_ms"):
+        for name in ("lookup_deadline_ms", "lookup_wait_ms", "load_deadline_ms", "withdraw_broken_after_ms",
+                     "attach_wait_ms"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 milliseconds, got {getattr(self, name)} "
                                  f"(KVRING_{name.upper()})")

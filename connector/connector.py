@@ -18,11 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorTransferResults, SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvring.cachenode.client import ClusterClient
-from kvring.common.errors import ContractMismatch
-from kvring.common.hashing import FORMAT_VERSION, HASH_ALGORITHM
-from kvring.common.tls import ClusterCredentials
-
+from .attach import connect
 from .config import ConnectorConfig
 from .instance import (KVGroups, check_chunk_blocks, check_kv_groups, check_parallel, chunk_parts, layout_from_vllm,
                        rank_shard, worker_load_bytes)
@@ -32,25 +28,6 @@ from .stats import KVRingPromMetrics, KVRingStats
 from .worker import WorkerSide
 
 logger = logging.getLogger(__name__)
-
-def connect(config: ConnectorConfig) -> ClusterClient:
-    """A cluster client whose hashing contract matches ours, or ``ContractMismatch``."""
-    tls = ClusterCredentials.at(config.tls_dir) if config.tls_dir else None
-    client = ClusterClient(config.etcd, cluster=config.cluster, timeout=config.timeout, tls=tls)
-    c = client.contract
-    diff = []
-    if c.hash_algorithm != HASH_ALGORITHM:
-        diff.append(f"hash_algorithm: this connector has {HASH_ALGORITHM!r}, the cluster has {c.hash_algorithm!r}")
-    if c.format_version != FORMAT_VERSION:
-        diff.append(f"format_version: this connector has {FORMAT_VERSION}, the cluster has {c.format_version}")
-    if config.chunk_size is not None and config.chunk_size != c.chunk_size:
-        diff.append(f"chunk_size: this connector has {config.chunk_size}, the cluster has {c.chunk_size}")
-    if diff:
-        client.close()
-        raise ContractMismatch(f"KVRingConnector's contract differs from cluster {config.cluster!r}: "
-                               + "; ".join(diff))
-    return client
-
 
 def _recompute_on_load_failure(kv_transfer_config) -> None:
     """A cache that cannot deliver a chunk is a miss: its blocks are recomputed, the request goes on.
@@ -85,8 +62,7 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
                         self.config.load_mode)
             self.config = dataclasses.replace(self.config, load_mode="async")
         _recompute_on_load_failure(self._kv_transfer_config)
-        self.client = connect(self.config)
-        chunk = self.client.contract.chunk_size
+        self.client, chunk = connect(self.config)
         block_size = vllm_config.cache_config.block_size
         check_chunk_blocks(chunk, block_size)
         layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version, groups=groups)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvring.common import protocol as P
@@ -64,6 +64,11 @@ class ClusterClient:
     has dropped every view of them, so reads do not pay for fresh memory each time
     (``reserve_buffers`` maps them ahead).  ``tls``: the cluster's credentials
     (``ClusterCredentials.at(dir)``), for a cluster whose nodes run with ``--tls-dir``.
+    ``wait=False`` returns at once and reaches the cluster in the background, however long that
+    takes (``attached``): until then every read is a miss and every write a no-op (the connector:
+    vLLM serves without its cache meanwhile).  ``require(contract)`` names what else this process
+    cannot work with in the cluster's contract: if anything, that is a conflict (reads miss,
+    writes are dropped).
     """
 
     def __init__(
@@ -82,6 +87,8 @@ class ClusterClient:
         contract_wait: float = 30.0,
         tls: ClusterCredentials | None = None,
         read_threads: bool | None = None,
+        wait: bool = True,
+        require: Callable[[Contract], list[str]] | None = None,
     ) -> None:
         self.settings = etcd if isinstance(etcd, EtcdSettings) else EtcdSettings.parse(etcd, cluster=cluster)
         self.timeout = timeout
@@ -90,12 +97,15 @@ class ClusterClient:
                            tls=tls.client_context if tls is not None else None)
         self._closed = False
         self.membership = Membership(self.settings, contract, resync_interval, handoff_window, self._members_changed,
-                                     contract_wait)
+                                     contract_wait, require)
         self._lookups = concurrent.futures.ThreadPoolExecutor(lookup_threads, thread_name_prefix="kvring-lookup")
         cluster_name = self.settings.cluster
         self.reads = Reads(self.links, self.membership, self.marks, timeout, verify, cluster_name,
                            readers_pay_off() if read_threads is None else read_threads)
         self.writes = Writes(self.links, self.membership, self.marks, timeout, cluster_name)
+        if not wait:
+            self.membership.start_background()
+            return
         try:
             self.membership.start(timeout=self.settings.timeout * 4 + 2 + contract_wait)
         except BaseException:
@@ -112,8 +122,15 @@ class ClusterClient:
     # ---- the cluster as this client sees it ---------------------------------------------------
 
     @property
-    def contract(self) -> Contract:
+    def contract(self) -> Contract | None:
+        """The cluster's contract (None only while a client started with ``wait=False`` has not
+        reached the cluster yet)."""
         return self.membership.contract
+
+    @property
+    def attached(self) -> bool:
+        """The cluster was reached and its contract read: always, unless started with ``wait=False``."""
+        return self.membership.attached.is_set()
 
     @property
     def ring(self) -> HashRing:

@@ -171,7 +171,7 @@ class Reads:
     def lookup(self, keys: list[bytes], lease_ms: int, meter: ReadMeter = NO_METER) -> list[bool]:
         view = self.membership.view
         present = [False] * len(keys)
-        if self.membership.conflict:  # keys hashed under another contract: nothing of ours is there
+        if not self.membership.usable:  # not reached yet, or another contract's keys: nothing of ours
             return present
         skip: list[set[str]] = [set()] * len(keys)  # replaced per key by a set of its own once one fails
         todo = list(range(len(keys)))
@@ -276,7 +276,7 @@ class Reads:
         if start < 0 or (end != -1 and end <= start):
             raise ValueError(f"layer range {layers} is empty or negative")
         found = found if found is not None else [None] * len(keys)
-        if self.membership.conflict:  # a miss, never KV laid out under another contract
+        if not self.membership.usable:  # a miss, never KV laid out under another contract
             return
         reads: dict[bytes, KeyRead] = {}
         for i, key in enumerate(keys):

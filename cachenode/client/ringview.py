@@ -21,12 +21,21 @@ for the cluster's first node to record it, and fails with a clear error if none 
 change of it is seen: gone (etcd lost its data) keeps the one in use -- the nodes write it back
 -- and a different one sets ``conflict``, which turns every read into a miss and every write into
 a no-op (the connector recomputes) until the process restarts with the cluster's contract.
+``require`` names what else a process cannot work with (the connector: a chunk size other than
+its own): a contract it rejects is a conflict too.
+
+A client that must not wait for the cluster (the connector inside vLLM: serving goes on without
+its cache) attaches in the background instead (``start_background``): until etcd answers and
+the cluster's contract is recorded, it is not ``usable`` -- every read a miss, every write a
+no-op -- and it keeps trying, without a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -109,11 +118,13 @@ class Membership:
 
     def __init__(self, settings: EtcdSettings, contract: Contract | None, resync_interval: float,
                  handoff_window: float, on_members: Callable[[dict[str, NodeRecord]], None],
-                 contract_wait: float = 30.0) -> None:
+                 contract_wait: float = 30.0, require: Callable[[Contract], list[str]] | None = None) -> None:
         self.settings = settings
         self.contract = contract
         self.contract_wait = contract_wait
+        self.require = require  # what else this process cannot work with in a contract (its differences)
         self.conflict: str | None = None  # how the recorded contract differs from the one in use
+        self.attached = threading.Event()  # the contract is known and the members were read once
         self.resync_interval = resync_interval
         self.handoff_window = handoff_window
         self.on_members = on_members  # called (on the membership thread) before a new view is published
@@ -127,6 +138,12 @@ class Membership:
         self._revision = 0  # the etcd revision the client is up to date with
         self._loop = etcd_loop()
         self._follower: asyncio.Future | None = None
+        self._attacher: concurrent.futures.Future | None = None  # ``start_background``'s attempts
+
+    @property
+    def usable(self) -> bool:
+        """Reads and writes may go to the cluster: attached, under a contract this process takes."""
+        return self.attached.is_set() and not self.conflict
 
     def start(self, timeout: float) -> None:
         """Read (or record) the contract and the members once; then follow them."""
@@ -137,26 +154,58 @@ class Membership:
             fut.cancel()
             raise MembershipError(f"etcd did not answer within {timeout:.1f}s") from None
 
-    async def _start(self) -> None:
+    def start_background(self) -> None:
+        """``start`` without waiting, nor a deadline: the client is not ``usable`` until it has
+        attached (``attached``), retrying while etcd or the cluster's contract is not there."""
+        self._attacher = asyncio.run_coroutine_threadsafe(self._attach(), self._loop)
+
+    async def _attach(self) -> None:
+        given, logged = self.contract, False
+        while True:
+            try:
+                await self._start(deadline=math.inf)
+                break
+            except MembershipError as exc:
+                self.contract = given  # one adopted before the failure is read again
+                if not logged:
+                    logger.warning("cluster %r not reachable yet (%s); reads miss and writes are dropped until it "
+                                   "is, trying again", self.settings.cluster, exc)
+                    logged = True
+                await asyncio.sleep(1.0)
+        logger.info("cluster %r reached: contract %s, %d nodes", self.settings.cluster, self.contract,
+                    len(self.view.ring))
+
+    async def _start(self, deadline: float | None = None) -> None:
         if self.contract is None:
-            self.contract = await self._wait_for_contract()
+            self.contract = await self._wait_for_contract(deadline)
         else:
             self.contract = await self._etcd.ensure_contract(self.contract)
+        rejected = self.require(self.contract) if self.require is not None else []
+        self.conflict = "; ".join(rejected) or None
+        if rejected:
+            logger.error("%s", ContractMismatch(
+                f"the contract of cluster {self.settings.cluster!r} does not suit this process ({self.conflict}); "
+                "every read is a miss and every write is dropped"))
         await self._resync()
+        self.attached.set()
         self._follower = asyncio.ensure_future(self._follow())
 
-    async def _wait_for_contract(self) -> Contract:
-        deadline = time.monotonic() + self.contract_wait
-        waiting = False
+    async def _wait_for_contract(self, deadline: float | None = None) -> Contract:
+        """The recorded contract, asked for until ``deadline`` (default: ``contract_wait`` from now;
+        ``inf``: a background attach, which asks less often the longer it waits)."""
+        deadline = time.monotonic() + self.contract_wait if deadline is None else deadline
+        waiting: bool | None = None  # what the last warning said: etcd answering (no contract), or not
+        pause = 0.25
         while True:
             try:
                 recorded = await self._etcd.read_contract()
-            except MembershipError:
+                answering, why = True, "has no contract in etcd yet (its first node records it)"
+            except MembershipError as exc:
                 if time.monotonic() >= deadline:
                     raise
-                recorded = None
+                recorded, answering, why = None, False, f"cannot be read: {exc}"
             if recorded is not None:
-                if waiting:
+                if waiting is not None:
                     logger.info("cluster %r: contract recorded: %s", self.settings.cluster, recorded)
                 return recorded
             if time.monotonic() >= deadline:
@@ -164,16 +213,19 @@ class Membership:
                     f"cluster {self.settings.cluster!r} has no contract in etcd at {','.join(self.settings.endpoints)} "
                     f"after {self.contract_wait:.0f}s: none of its nodes has started (start them first, e.g. "
                     "`kvring up`), or the cluster name is wrong")
-            if not waiting:
-                waiting = True
-                logger.warning("cluster %r has no contract in etcd yet (its first node records it); waiting up "
-                               "to %.0fs", self.settings.cluster, self.contract_wait)
-            await asyncio.sleep(0.25)
+            if waiting is not answering:
+                waiting = answering
+                logger.warning("cluster %r %s; %s", self.settings.cluster, why,
+                               f"waiting up to {self.contract_wait:.0f}s" if math.isfinite(deadline)
+                               else "reads miss and writes are dropped until it is there")
+            await asyncio.sleep(pause)
+            if not math.isfinite(deadline):
+                pause = min(pause * 2, 2.0)
 
     def _check_contract(self, recorded: Contract | None) -> None:
         if recorded is None:  # etcd lost its data: the nodes write it back
             return
-        diff = self.contract.differences(recorded)
+        diff = self.contract.differences(recorded) + (self.require(recorded) if self.require is not None else [])
         conflict = "; ".join(diff) if diff else None
         if conflict != self.conflict:
             if conflict:
@@ -288,6 +340,9 @@ class Membership:
                        "" if self.etcd_ok else " (etcd lost: the last ring it had)")
 
     def close(self) -> None:
+        if self._attacher is not None:
+            self._attacher.cancel()
+
         async def shutdown() -> None:
             if self._follower is not None:
                 self._follower.cancel()

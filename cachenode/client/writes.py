@@ -35,12 +35,12 @@ class Writes:
 
     def put_many(self, items: Sequence[ChunkItem]) -> list[int]:
         """Store every item on all its owners; returns the replicas stored per item."""
+        stored = [0] * len(items)
+        if not self.membership.usable:  # not reached yet, or its contract changed: store nothing under ours
+            return stored
         ring = self.membership.view.ring
         if not ring.nodes:
             raise NoOwners(f"no active node in cluster {self.cluster!r}; is `kvring up` running?")
-        stored = [0] * len(items)
-        if self.membership.conflict:  # the cluster's contract changed: store nothing under ours
-            return stored
         errors: list[KVRingError] = []
         asked: dict[int, int] = {}
         with Exchange(self.links, self.timeout) as ex:
@@ -70,7 +70,7 @@ class Writes:
         per node, which items it stored.  Failures are logged and count as not stored."""
         ring = self.membership.view.ring
         stored = {node_id: [False] * len(items) for node_id, items in copies.items()}
-        if self.membership.conflict:
+        if not self.membership.usable:
             return stored
         asked: dict[int, tuple[str, int]] = {}
         with Exchange(self.links, self.timeout) as ex:

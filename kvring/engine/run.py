@@ -47,8 +47,9 @@ SPEC (JSON)::
 
 Each prompt gets one result, in order (a batch's prompts one each); actions get none.  Each
 generate call (a prompt or a batch) also gets one entry in OUT's ``steps``: its prompts, its wall
-time and the connector's counters after it (``connector_counters``: cumulative, ``{}`` without a
-connector), so a driver can tell what the connector did during one batch.
+time and the connector's counters after it (``counters``, read by ``connector_counters``:
+cumulative, ``{}`` without a connector), so a driver can tell what the connector did during one
+batch.
 
 ``wait_for`` and ``touch`` let a driver keep several engines alive and run their batches in
 turn (``start_instance``): ``kvring bench miss`` alternates two engines that way.

@@ -138,12 +138,14 @@ def test_saved_chunks_load_into_other_blocks_and_a_lost_chunk_is_reported(cluste
 
 
 def test_connector_refuses_a_cluster_with_another_chunk_size(cluster_factory):
-    from kvring.connector.connector import connect  # the connector's facade imports vLLM
+    from kvring.connector.attach import connect
 
     cluster = cluster_factory(nodes=1, memory=16 << 20)
     with pytest.raises(ContractMismatch, match="chunk_size: this connector has 512, the cluster has 256"):
         connect(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, chunk_size=512))
-    connect(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster)).close()
+    client, chunk_size = connect(ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster))
+    assert chunk_size == 256 and client.attached
+    client.close()
 
 
 def test_an_async_load_is_reported_through_get_finished(cluster_factory):
