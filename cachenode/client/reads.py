@@ -230,9 +230,10 @@ class Reads:
         """Per key: every owner (current and, right after a ring change, previous) answered, and
         none holds it.  A key with an owner that did not answer is not held nowhere; a previous
         owner that is no longer a member (it left, it was killed) holds nothing a read can
-        reach."""
+        reach.  With no owner to ask (no ring yet, or none left) nothing is known: not held
+        nowhere."""
         candidates, found, silent = self._ask_owners(keys)
-        return [not got and not silent.intersection(owners) for owners, got in zip(candidates, found)]
+        return [bool(owners) and not got and not silent.intersection(owners) for owners, got in zip(candidates, found)]
 
     def _ask_owners(self, keys: list[bytes]) -> tuple[list[list[str]], list[set[str]], set[str]]:
         """Each key's owners, which of them hold it, and the owners that did not answer."""

@@ -44,6 +44,7 @@ def test_a_connector_started_before_etcd_serves_misses_and_reaches_the_cluster_w
             key = os.urandom(16)
             assert client.lookup([key]) == [False]
             assert client.put_many([_item(key)]) == [0]
+            assert client.held_nowhere([key]) == [False]  # no owner asked: nothing known
 
             etcd.start()
             with LocalCluster(nodes=1, memory=64 << 20, etcd=etcd.endpoint, cluster="late"):
