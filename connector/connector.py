@@ -29,6 +29,7 @@ from .worker import WorkerSide
 
 logger = logging.getLogger(__name__)
 
+
 def _recompute_on_load_failure(kv_transfer_config) -> None:
     """A cache that cannot deliver a chunk is a miss: its blocks are recomputed, the request goes on.
 

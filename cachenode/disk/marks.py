@@ -3,7 +3,7 @@
 Each segment remembers the keys served from it since they were written (``Segment.read``): the
 chunks its eviction carries forward (``DiskTier._carry_forward``).  They live in memory, and are
 written to ``MARKS_FILE`` in the node's directory: by the writer thread every ``marks_interval``
-seconds while marks are being added (``DiskTier._save_marks_if_due``), and by a node that stops
+seconds while marks are being added (``DiskTier._marks_due``), and by a node that stops
 gracefully (SIGTERM: a rolling upgrade, a drain) after its last write.  The next start takes them
 back once the index is rebuilt: after a crash, those of the last save.  The file stays until a
 save replaces it (a crash soon after a start keeps what the start took back).  What a start
@@ -42,10 +42,7 @@ def save_marks(directory: str, index: DiskIndex) -> int:
         marks = [(number, list(segment.read)) for number, segment in index.segments.items() if segment.read]
     path = os.path.join(directory, MARKS_FILE)
     if not marks:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _remove(path)
         return 0
     body = msgspec.msgpack.encode([(number, sorted(keys)) for number, keys in marks])
     with open(path + ".tmp", "wb") as f:

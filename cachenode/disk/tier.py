@@ -196,7 +196,8 @@ class DiskTier:
         self._data_fd = self._journal_fd = -1
         self._next_number = 1
         self._journal_synced = time.monotonic()
-        self._marks_saved = (time.monotonic(), 0)  # when the read marks were last saved, and their version then
+        self._marks_saved_at = time.monotonic()  # when the read marks were last saved (or the tier opened)
+        self._marks_saved_version = 0  # ``index.marks_version`` then
         self._stall_until = 0.0
         self.counts = dict.fromkeys(("written", "written_bytes", "write_skipped", "too_large", "full",
                                      "write_errors", "reads", "read_bytes", "read_errors", "read_gone", "corrupt",
@@ -674,9 +675,9 @@ class DiskTier:
         """``marks_interval`` seconds have passed since the read marks were last saved, and marks
         were added since (a crash keeps those of the last save)."""
         interval = self.config.marks_interval
-        at, version = self._marks_saved
         return (interval > 0 and self.config.eviction is Eviction.SECOND_CHANCE
-                and time.monotonic() - at >= interval and self.index.marks_version != version)
+                and time.monotonic() - self._marks_saved_at >= interval
+                and self.index.marks_version != self._marks_saved_version)
 
     def _save_marks(self) -> None:
         """Write the read marks (the writer thread, holding no lock)."""
@@ -688,7 +689,7 @@ class DiskTier:
                            self.directory, exc.strerror)
         except Exception:  # a bug must not stop the writer: only the marks are lost
             logger.exception("disk %s: saving the read marks failed", self.directory)
-        self._marks_saved = (time.monotonic(), version)
+        self._marks_saved_at, self._marks_saved_version = time.monotonic(), version
 
     def _sync_journal_if_due(self) -> None:
         now = time.monotonic()
