@@ -31,6 +31,7 @@ from .config import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
+
 class ChunkSize:
     """The chunk size this connector's keys use (see the module docstring), and the check of a
     cluster's contract against it (``ClusterClient``'s ``require``)."""
