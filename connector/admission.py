@@ -106,13 +106,15 @@ class NodeLink:
 class LoadBytes:
     """The KV bytes one worker loads for a hit: ``per_token`` for every token (its full-attention
     layers), and for each sliding window only the window's last tokens (``windows``: window in
-    tokens, bytes per token of its layers)."""
+    tokens, bytes per token of its layers), and ``state`` once per load (a model with recurrent
+    state: its layers' state after the hit)."""
 
     per_token: int
     windows: tuple[tuple[int, int], ...] = ()
+    state: int = 0
 
     def of(self, tokens: int) -> int:
-        return tokens * self.per_token + sum(min(tokens, w) * b for w, b in self.windows)
+        return tokens * self.per_token + sum(min(tokens, w) * b for w, b in self.windows) + self.state
 
 
 class LoadCostModel:

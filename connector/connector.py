@@ -20,8 +20,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .attach import connect
 from .config import ConnectorConfig
-from .instance import (KVGroups, check_chunk_blocks, check_kv_groups, check_parallel, chunk_parts, layout_from_vllm,
-                       rank_shard, worker_load_bytes)
+from .instance import (KVGroups, check_chunk_blocks, check_kv_groups, check_parallel, check_state, chunk_parts,
+                       layout_from_vllm, rank_shard, worker_load_bytes)
 from .metadata import KVRingMetadata
 from .scheduler import SchedulerSide
 from .stats import KVRingPromMetrics, KVRingStats
@@ -56,6 +56,7 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
             check_kv_groups(kv_cache_config)
         check_parallel(vllm_config)
         groups = KVGroups.of(kv_cache_config, vllm_config.model_config.get_total_num_hidden_layers())
+        check_state(vllm_config, groups)
         if groups.several and self.config.load_mode != "async":
             # vLLM takes failed loads of several KV-cache groups only as failed requests of async
             # loads (block ids are per group): loads run between steps.
@@ -70,7 +71,8 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         parts = chunk_parts(vllm_config, layout)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, layout, self.client, block_size,
-                                            worker_load_bytes(vllm_config, layout), parts)
+                                            worker_load_bytes(vllm_config, layout, groups), parts,
+                                            state_group=groups.state.group if groups.state else None)
             self._worker = None
         else:
             self._scheduler = None
@@ -103,7 +105,7 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
             logger.exception("kvring save_kv_layer failed; this step's chunks are not saved")
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save()
+        self._worker.wait_for_save(self._get_connector_metadata() if self.has_connector_metadata() else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids)

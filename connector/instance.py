@@ -9,11 +9,13 @@ wrong KV.
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 from dataclasses import dataclass
 
 from .admission import LoadBytes
 from .keys import KVLayout
-from .parts import ChunkParts, RankShard
+from .parts import STATE, ChunkParts, RankShard
 
 
 @dataclass(frozen=True)
@@ -26,29 +28,36 @@ class KVGroups:
     """
 
     layer_groups: dict[str, int]  # attention layer name -> index of its group (its block table)
-    windows: tuple[int, ...] = ()  # each model layer's sliding window (0: full); () without windows
+    # each model layer's kind: its sliding window, 0 (full attention) or ``STATE``; () when all are full
+    windows: tuple[int, ...] = ()
+    state: StateGroup | None = None  # the recurrent-state layers' group, if the model has one
 
     @classmethod
     def of(cls, kv_cache_config, num_layers: int) -> KVGroups:
         """The groups of ``kv_cache_config`` (``None``: one group, e.g. a unit test's caches)."""
         from vllm.model_executor.models.utils import extract_layer_index
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-        layer_groups = {name: g for g, group in enumerate(groups) for name in group.layer_names}
-        if not any(type(group.kv_cache_spec) is SlidingWindowSpec for group in groups):
+        layer_groups = {name: g for g, group in enumerate(groups) for name in group.layer_names
+                        if not isinstance(group.kv_cache_spec, MambaSpec)}
+        if not any(isinstance(group.kv_cache_spec, (SlidingWindowSpec, MambaSpec)) for group in groups):
             return cls(layer_groups)
         windows = [0] * num_layers
-        for group in groups:
-            if type(group.kv_cache_spec) is SlidingWindowSpec:
+        state = None
+        for g, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            if type(spec) is SlidingWindowSpec or isinstance(spec, MambaSpec):
                 for name in group.layer_names:
-                    windows[extract_layer_index(name)] = group.kv_cache_spec.sliding_window
-        return cls(layer_groups, tuple(windows))
+                    windows[extract_layer_index(name)] = STATE if isinstance(spec, MambaSpec) else spec.sliding_window
+            if isinstance(spec, MambaSpec):
+                state = StateGroup.of(g, group)
+        return cls(layer_groups, tuple(windows), state)
 
     @property
     def several(self) -> bool:
         """Whether there are several block tables (vLLM then takes failed loads per request only)."""
-        return len(set(self.layer_groups.values())) > 1
+        return len(set(self.layer_groups.values()) | ({self.state.group} if self.state else set())) > 1
 
     @property
     def hybrid(self) -> bool:
@@ -57,6 +66,34 @@ class KVGroups:
 
     def group_of(self, layer_name: str) -> int:
         return self.layer_groups.get(layer_name, 0)
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    """The KV-cache group of a model's recurrent-state layers (vLLM's ``MambaSpec``): in align
+    mode each of its blocks holds, per layer, the state after the block's last token, as the
+    first ``nbytes`` bytes of the layer's page of that block (the tensors of ``shapes`` and
+    ``dtypes`` one after another; vLLM pads the page to the attention page's size)."""
+
+    group: int
+    layer_names: tuple[str, ...]  # in model-layer order
+    nbytes: int
+    format: str  # what the bytes depend on: ``KVLayout.state_format``
+
+    @classmethod
+    def of(cls, index: int, group) -> StateGroup:
+        import torch
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        spec = group.kv_cache_spec
+        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                 for shape, dtype in zip(spec.shapes, spec.dtypes)]
+        tensors = ";".join(f"{tuple(shape)}:{str(dtype).removeprefix('torch.')}"
+                           for shape, dtype in zip(spec.shapes, spec.dtypes))
+        conv_layout = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "")
+        return cls(index, tuple(sorted(group.layer_names, key=extract_layer_index)), sum(sizes),
+                   f"{type(spec.mamba_type).__name__}.{getattr(spec.mamba_type, 'name', spec.mamba_type)}"
+                   f"|{tensors}|conv={conv_layout}")
 
 
 def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "",
@@ -74,7 +111,8 @@ def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "",
         model=str(model.model), config_fingerprint=fingerprint, kv_dtype=str(kv_dtype),
         num_layers=model.get_total_num_hidden_layers(), num_kv_heads=_total_kv_heads(model),
         head_size=model.get_head_size(), block_layout="BHNC", chunk_size=chunk_size,
-        weights_version=weights_version, latent=bool(model.use_mla), windows=groups.windows if groups else ())
+        weights_version=weights_version, latent=bool(model.use_mla), windows=groups.windows if groups else (),
+        state_format=groups.state.format if groups and groups.state else "")
 
 
 def _total_kv_heads(model) -> int:
@@ -115,12 +153,13 @@ def check_kv_groups(kv_cache_config) -> None:
     in the same ``[blocks, 1, block size, latent]`` view) in one group, and with vLLM's hybrid
     KV-cache manager, groups of full-attention and sliding-window layers (a window group keeps
     only its window's blocks, and is loaded and saved as such: ``KVGroups``).  State that is not
-    attention KV (Mamba, linear attention) has no per-layer hooks to save or load it, and other
-    kinds (chunked-local attention, sliding-window MLA) are not loaded yet.  Serving such a
-    model through the connector would risk wrong KV, so it is refused at start rather than run
-    wrongly.
+    attention KV (Mamba, linear attention) is saved and loaded as one state per chunk end
+    (``StateGroup``) in vLLM's ``align`` mode only (other modes keep no state at block
+    boundaries), and other kinds (chunked-local attention, sliding-window MLA) are not loaded
+    yet.  Serving such a model through the connector would risk wrong KV, so it is refused at
+    start rather than run wrongly.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
 
@@ -128,15 +167,27 @@ def check_kv_groups(kv_cache_config) -> None:
         more = f", ... ({len(g.layer_names)} layers)" if len(g.layer_names) > 2 else ""
         return f"group {i} ({type(g.kv_cache_spec).__name__}: {', '.join(g.layer_names[:2])}{more})"
 
-    state = [named(i, g) for i, g in enumerate(groups) if not isinstance(g.kv_cache_spec, AttentionSpec)]
+    mamba = [(i, g) for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+    unaligned = [named(i, g) for i, g in mamba if g.kv_cache_spec.mamba_cache_mode != "align"]
+    if unaligned:
+        raise ValueError(f"KVRingConnector cannot serve this model without risking wrong KV: {'; '.join(unaligned)} "
+                         "keep(s) recurrent state that vLLM hands to connectors only at block boundaries, in its "
+                         "'align' mode. Start vLLM with --mamba-cache-mode align (and prefix caching on).")
+    if len(mamba) > 1:
+        raise ValueError("KVRingConnector cannot serve this model without risking wrong KV: it has several "
+                         f"recurrent-state groups ({'; '.join(named(i, g) for i, g in mamba)}), and kvring stores one. "
+                         "Serve it without --kv-transfer-config.")
+    state = [named(i, g) for i, g in enumerate(groups)
+             if not isinstance(g.kv_cache_spec, (AttentionSpec, MambaSpec))]
     if state:
-        problem = (f"{'; '.join(state)} hold(s) state that is not attention KV, which vLLM gives connectors no "
-                   "per-layer hooks to save or load")
+        problem = (f"{'; '.join(state)} hold(s) state that is neither attention KV nor Mamba-style recurrent "
+                   "state, which kvring does not know how to save or load")
         raise ValueError(f"KVRingConnector cannot serve this model without risking wrong KV: {problem}. "
                          "Serve it without --kv-transfer-config.")
     if len(groups) == 1 and _loadable(groups[0].kv_cache_spec):
         return
-    odd = [named(i, g) for i, g in enumerate(groups) if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec)]
+    odd = [named(i, g) for i, g in enumerate(groups)
+           if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec) and not isinstance(g.kv_cache_spec, MambaSpec)]
     sizes = {g.kv_cache_spec.block_size for g in groups}
     if odd:
         problem = (f"{'; '.join(odd)} {'is' if len(odd) == 1 else 'are'} neither full-attention nor sliding-window "
@@ -150,6 +201,25 @@ def check_kv_groups(kv_cache_config) -> None:
            "kvring loads; it costs KV memory), or serve it without --kv-transfer-config" if len(groups) > 1
            else "Serve it without --kv-transfer-config")
     raise ValueError(f"KVRingConnector cannot serve this model without risking wrong KV: {problem}. {fix}.")
+
+
+def check_state(vllm_config, groups: KVGroups) -> None:
+    """Refuse a deployment of a model with recurrent state that kvring does not serve yet
+    (``ValueError`` saying what to change): its state parts are stored per instance shape, and
+    only one worker's, on vLLM's CPU build, is done so far."""
+    if groups.state is None:
+        return
+    parallel = vllm_config.parallel_config
+    problems = [f"{name.replace('_', ' ')} {getattr(parallel, name)}"
+                for name in ("tensor_parallel_size", "pipeline_parallel_size") if getattr(parallel, name, 1) > 1]
+    device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
+    if device != "cpu":
+        problems.append(f"device {device}")
+    if problems:
+        raise ValueError(f"KVRingConnector cannot serve a model with recurrent state (Mamba, linear attention) with "
+                         f"{' and '.join(problems)} yet: its state is loaded and saved by one worker on CPU so far. "
+                         "Serve it with --tensor-parallel-size 1 --pipeline-parallel-size 1, or without "
+                         "--kv-transfer-config.")
 
 
 def check_chunk_blocks(chunk_size: int, block_size: int) -> None:
@@ -172,17 +242,19 @@ def _loadable(spec) -> bool:
     return isinstance(spec, FullAttentionSpec)
 
 
-def worker_load_bytes(vllm_config, layout: KVLayout) -> LoadBytes:
+def worker_load_bytes(vllm_config, layout: KVLayout, groups: KVGroups | None = None) -> LoadBytes:
     """KV bytes the busiest worker loads for a hit: its heads of its stage's layers (the workers
     load in parallel, so this, not the whole token's, is what a load's time follows), of
-    sliding-window layers only their window."""
+    sliding-window layers only their window, and of recurrent-state layers one state."""
     parallel = vllm_config.parallel_config
     heads = len(RankShard.of_rank(layout.num_kv_heads, parallel.tensor_parallel_size, 0, (0, 0)).heads)
     per_layer = layout.bytes_per_token * heads // (layout.num_kv_heads * layout.num_layers)
     stage = max(chunk_parts(vllm_config, layout).stages, key=lambda s: s[1] - s[0])
     windows = layout.windows[stage[0]:stage[1]] or (0,) * (stage[1] - stage[0])
+    state = groups.state if groups is not None else None
     return LoadBytes(per_layer * windows.count(0),
-                     tuple((w, per_layer * windows.count(w)) for w in sorted(set(windows) - {0})))
+                     tuple((w, per_layer * windows.count(w)) for w in sorted(set(windows) - {0, STATE})),
+                     state.nbytes * len(state.layer_names) if state else 0)
 
 
 def check_parallel(vllm_config) -> None:

@@ -54,6 +54,10 @@ class KVLayout:
     # tokens (0: full attention).  Its chunks are stored as one part per attention kind
     # (``parts.py``); empty for every other instance, which stores all layers together.
     windows: tuple[int, ...] = ()
+    # A model with recurrent-state layers (``parts.STATE`` in ``windows``): the bytes of one
+    # layer's state as this instance's workers keep them (each tensor's shape and dtype, and
+    # vLLM's conv-state layout), which a state part's bytes depend on.  Empty for every other.
+    state_format: str = ""
 
     @property
     def channels(self) -> int:
@@ -79,6 +83,8 @@ class KVLayout:
             del fields["latent"]  # nor those of models without MLA
         if not fields["windows"]:
             del fields["windows"]  # nor those of instances with one KV-cache group
+        if not fields["state_format"]:
+            del fields["state_format"]  # nor those of models without recurrent state
         fields.update(asdict(scope or KeyScope()))
         if not fields["adapter"] and not fields["weights_epoch"]:
             del fields["adapter"], fields["weights_epoch"]

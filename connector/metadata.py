@@ -31,6 +31,9 @@ class LoadSpec:
     # A hybrid layout: per sliding window, the first token its layers are written from (vLLM
     # keeps that window's group blocks only from there: ``parts.window_start``).
     window_from: dict[int, int] = field(default_factory=dict)
+    # A model with recurrent state: the block of the state group the state after ``end`` goes
+    # to (the state part of the load's last chunk).
+    state_block: int | None = None
 
 
 @dataclass
@@ -46,6 +49,16 @@ class SaveSpec:
     # A hybrid layout: per sliding window, the first token still in its group's blocks during
     # this step; that window's parts are saved only for chunks starting there or later.
     live_from: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class StateSave:
+    """Save the recurrent state vLLM holds in ``block`` (of the state group) after this step's
+    forward: the state after chunk ``key``'s last token, its chunk's state part."""
+
+    key: bytes
+    block: int
+    namespace: str = ""
 
 
 @dataclass
@@ -71,3 +84,4 @@ class KVRingMetadata(KVConnectorMetadata):
     # vLLM computes no token this step (its requests wait, e.g. for async loads): a worker
     # with async loads in flight may block in get_finished until one ends (``IDLE_WAIT_S``).
     idle: bool = False
+    states: list[StateSave] = field(default_factory=list)  # recurrent states to save after the forward

@@ -25,6 +25,15 @@ group.  Such parts are saved only while all their tokens are still in the group'
 window part may be missing where its full-attention parts are present; ``leading_hits`` counts
 a chunk as a hit only when the load that ends with it finds every part it needs.
 
+A model with recurrent state (Mamba, gated delta net: vLLM's ``MambaSpec`` layers, served with
+``mamba_cache_mode="align"``) has no per-token KV in those layers: each keeps one state, that
+of every token before it.  Its chunks store the attention layers as above, and the state layers
+as one more part per stage (``STATE``): their states *after the chunk's last token*, one frame
+per state layer.  vLLM has that state only where a step ended on a block boundary, so a chunk's
+state part is saved where vLLM hands one over (``connector/scheduler.py``) and is missing
+elsewhere; a load of ``k`` chunks needs the attention parts of all of them and the state part of
+the last one only, and it must end exactly there (``leading_hits``' ``load_end``).
+
 Parts are placed on the ring by their own keys, so a chunk's parts spread over the nodes and a
 rank's load draws from all of them in parallel.
 """
@@ -36,7 +45,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 _COORDS = struct.Struct(">HHH")  # head, first layer, end layer: the 6 bytes after a part's chunk key
-_WINDOW = struct.Struct(">I")  # a hybrid layout's part: its attention kind (0: full, else the window)
+_WINDOW = struct.Struct(">i")  # a hybrid layout's part: its kind (0: full attention, a window, or STATE)
+# The kind of a layer whose cache is recurrent state (Mamba, linear attention), in a layout's
+# ``windows`` and a part's ``window``: stored once per chunk, its state after the chunk's end.
+STATE = -1
 
 
 def window_start(end: int, window: int, block_size: int) -> int:
@@ -59,6 +71,11 @@ class ChunkPart:
     def key(self, chunk_key: bytes) -> bytes:
         key = chunk_key + _COORDS.pack(self.head, self.first_layer, self.end_layer)
         return key if self.window is None else key + _WINDOW.pack(self.window)
+
+    @property
+    def state(self) -> bool:
+        """Whether this part holds the state layers' state after its chunk (``STATE``)."""
+        return self.window == STATE
 
     def layers(self, windows: Sequence[int] = ()) -> tuple[int, ...]:
         """The model layers this part holds, in order (``windows``: each layer's window, 0 full)."""
@@ -100,7 +117,7 @@ class ChunkParts:
     @property
     def parts(self) -> tuple[ChunkPart, ...]:
         return tuple(ChunkPart(h, first, end, w) for first, end in self.stages
-                     for w in kinds(self.windows, first, end) for h in range(self.num_kv_heads))
+                     for w in kinds(self.windows, first, end) for h in range(1 if w == STATE else self.num_kv_heads))
 
     @property
     def anchor(self) -> ChunkPart | None:
@@ -148,9 +165,13 @@ class ChunkParts:
         chunks = [part_present[i:i + n] for i in range(0, len(part_present), n)]
         full = [i for i, p in enumerate(parts) if not p.window]
         run = next((c for c, got in enumerate(chunks) if not all(got[i] for i in full)), len(chunks))
-        windowed = {w: [i for i, p in enumerate(parts) if p.window == w] for w in {p.window for p in parts if p.window}}
+        windowed = {w: [i for i, p in enumerate(parts) if p.window == w]
+                    for w in {p.window for p in parts if p.window and p.window != STATE}}
+        states = [i for i, p in enumerate(parts) if p.state]
         for k in range(run, 0, -1):
             end = load_end(k)
+            if states and (end != k * chunk_size or not all(chunks[k - 1][i] for i in states)):
+                continue  # a state is loaded at its chunk's end only, and only where it was saved
             if all(chunks[c][i] for w, idx in windowed.items()
                    for c in range(window_start(end, w, block_size) // chunk_size, -(-end // chunk_size)) for i in idx):
                 return k
@@ -202,6 +223,7 @@ class RankShard:
 
 
 def kinds(windows: Sequence[int], first: int, end: int) -> tuple[int | None, ...]:
-    """The attention kinds layers ``[first, end)`` are stored by: ``(None,)`` (all together) for
-    a layout without windows, else each window among them, full attention (0) first."""
+    """The kinds layers ``[first, end)`` are stored by: ``(None,)`` (all together) for a layout
+    without windows, else each kind among them: ``STATE`` first, then full attention (0), then
+    each window."""
     return (None,) if not windows else tuple(sorted(set(windows[first:end])))

@@ -29,8 +29,8 @@ from .block_events import chunk_blocks
 from .broken_chunks import BrokenChunks
 from .config import ConnectorConfig
 from .keys import KVLayout
-from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec
-from .parts import ChunkParts, window_start
+from .metadata import KVRingMetadata, LoadSpec, ReqMeta, SaveSpec, StateSave
+from .parts import STATE, ChunkParts, window_start
 from .request_inputs import RequestInputs, read_request
 from .stats import Counters, transfers_of
 
@@ -67,6 +67,7 @@ class RequestTracker:
     request: object = None  # vLLM's Request (its all_token_ids grow while decoding)
     tail_done: bool = False  # the prompt's partial last chunk was hit, saved or is not wanted
     namespace: str = ""  # the request's key namespace, tagged on its saves (flushable as one)
+    hit_chunks: int = 0  # leading chunks its lookup found (their states are in the cluster)
 
 
 class _LateLookups:
@@ -88,7 +89,8 @@ class _LateLookups:
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, layout: KVLayout, client: ClusterClient, block_size: int,
-                 bytes_per_token: int | LoadBytes, parts: ChunkParts | None = None) -> None:
+                 bytes_per_token: int | LoadBytes, parts: ChunkParts | None = None,
+                 state_group: int | None = None) -> None:
         self.config = config
         self.layout = layout
         # What a chunk's load needs: every KV head of every pipeline stage (None: one stage).
@@ -96,7 +98,9 @@ class SchedulerSide:
         self.client = client
         self.block_size = block_size
         self.chunk = layout.chunk_size
-        self.windows = sorted(set(layout.windows) - {0})  # a hybrid layout's sliding windows
+        self.windows = sorted(set(layout.windows) - {0, STATE})  # a hybrid layout's sliding windows
+        # A model with recurrent state: the KV-cache group holding it (its hits end on a state).
+        self.state_group = state_group
         self.adapters = AdapterIdentities(config.adapter_identity)
         self.weights_epoch = 0
         self.counters = Counters()
@@ -241,6 +245,10 @@ class SchedulerSide:
         # (its copy takes the last block whole, ``_copy_end``); any other full hit (a partial
         # last chunk, a hybrid layout's windows) ends at the last block boundary before it.
         end = min(chunks * self.chunk, n_tokens)
+        if self.state_group is not None:
+            # A model with recurrent state resumes from the state after the hit's last chunk,
+            # so the hit ends exactly there (``leading_hits`` takes no other), before the last token.
+            return end if end < n_tokens else (n_tokens - 1) // self.block_size * self.block_size
         if end < n_tokens:
             return max(0, end)
         if not self.windows and n_tokens % self.block_size == 0 and chunks * self.chunk == n_tokens:
@@ -250,7 +258,8 @@ class SchedulerSide:
     def _copy_end(self, hit_tokens: int, n_tokens: int) -> int:
         """One past the last token a load that ends (for vLLM) at ``hit_tokens`` copies: the
         prompt's end when vLLM computes only its last token (that block is copied whole)."""
-        return n_tokens if hit_tokens == n_tokens - 1 and n_tokens % self.block_size == 0 else hit_tokens
+        whole_last = hit_tokens == n_tokens - 1 and n_tokens % self.block_size == 0
+        return n_tokens if whole_last and self.state_group is None else hit_tokens
 
     # ---- allocation and the step plan -------------------------------------------------------
 
@@ -271,9 +280,14 @@ class SchedulerSide:
         keys = lookup.keys[start // self.chunk:last]
         window_from = {w: window_start(hit_tokens, w, self.block_size) for w in self.windows}
         end = self._copy_end(hit_tokens, len(lookup.inputs.tokens))
+        # The state after the hit goes to the state group's block of its last token (vLLM
+        # allocates that one block there: ``MambaManager.allocate_external_computed_blocks``).
+        state_block = (blocks.get_block_ids()[self.state_group][(hit_tokens - 1) // self.block_size]
+                       if self.state_group is not None else None)
         if self.config.load_mode == "async":
             load = LoadSpec(keys, start, vllm_cached, end, asynchronous=True, computed_from=hit_tokens,
-                            deadline_s=self.cost.deadline_s(num_external_tokens), window_from=window_from)
+                            deadline_s=self.cost.deadline_s(num_external_tokens), window_from=window_from,
+                            state_block=state_block)
             self._async_loads[request.request_id] = (load, [list(b) for b in blocks.get_block_ids()])
         else:
             self._pending_load[request.request_id] = LoadSpec(
@@ -302,7 +316,8 @@ class SchedulerSide:
                                      saved_chunks=min(hit, whole), inputs=inputs,
                                      request=self._requests.get(new.req_id),
                                      tail_done=hit > whole or len(keys) == whole,
-                                     namespace=self.layout.namespace(inputs.scope) if inputs else "")
+                                     namespace=self.layout.namespace(inputs.scope) if inputs else "",
+                                     hit_chunks=hit)
             self._trackers[new.req_id] = tracker
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             self._plan(meta, tracker, self._pending_load.pop(new.req_id, None), new.num_computed_tokens, done)
@@ -321,8 +336,34 @@ class SchedulerSide:
             computed = cached.num_computed_tokens[i]
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan(meta, tracker, self._pending_load.pop(req_id, None), computed, done)
+        if self.state_group is not None:
+            self._plan_states(meta, scheduler_output)
         self.counters.add(scheduler_hook_seconds=time.perf_counter() - start)
         return meta
+
+    def _plan_states(self, meta: KVRingMetadata, scheduler_output) -> None:
+        """The recurrent states vLLM hands over this step that end a chunk of a prompt: saved by
+        the workers after this step's forward, which computes them (``StateSave``).
+
+        vLLM offers the state block of each block boundary a step reaches
+        (``kv_connector_block_state.boundary_state_offloads``).  The block is the request's
+        until a later step: vLLM frees a state block two steps on, and a request's blocks only
+        after the step that finishes it, so the copy made in this step's ``wait_for_save``
+        reads it whole.  A request preempted while this step was scheduled has lost its blocks
+        already: its offers are dropped."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or set()
+        for req_id, entries in offers.items():
+            tracker = self._trackers.get(req_id)
+            if tracker is None or tracker.inputs is None or req_id in preempted:
+                continue
+            for group, block, tokens in entries:
+                chunks, rest = divmod(tokens, self.chunk)
+                # Only a chunk's end, of a chunk whose key is known, and not one its lookup found.
+                if group != self.state_group or rest or not tracker.hit_chunks < chunks <= len(tracker.keys):
+                    continue
+                meta.states.append(StateSave(tracker.keys[chunks - 1], block, tracker.namespace))
 
     def _slots(self, block_ids: list[int], end: int) -> np.ndarray:
         """slot_mapping[t] = block_id * block_size + offset, for tokens [0, end)."""
@@ -332,7 +373,9 @@ class SchedulerSide:
 
     def _req_meta(self, req_id: str, block_ids: list[list[int]], end: int, load: LoadSpec | None,
                   save: SaveSpec | None) -> ReqMeta:
-        slots = [self._slots(table, end) for table in block_ids]
+        # (a state group's blocks are not slots: a load and a save name their block)
+        slots = [self._slots(table, end) if g != self.state_group else np.zeros(0, dtype=np.int64)
+                 for g, table in enumerate(block_ids)]
         return ReqMeta(req_id, slots[0], list(block_ids[0]), load, save,
                        group_slot_mappings=slots if len(slots) > 1 else [])
 

@@ -25,6 +25,13 @@ through its own group's slot mapping, a sliding-window part is fetched and writt
 tokens the load's window keeps (``LoadSpec.window_from``) and saved only for chunks still whole
 in its group's blocks (``SaveSpec.live_from``), and its loads are async.
 
+A model with recurrent state (Mamba, gated delta net, in vLLM's ``align`` mode) has a state
+group besides its attention groups (``StateGroup``).  No attention hook runs for those layers,
+so their state part is saved from ``wait_for_save`` (after the forward that computed it, from
+the block vLLM handed over: ``KVRingMetadata.states``), and loaded with the chunks' attention
+parts, only for a load's last chunk, into the one state block vLLM allocated at the load's end
+(``LoadSpec.state_block``); its loads are async.
+
 Nothing here raises into vLLM: a load that fails reports the block ids it should have filled
 (``get_block_ids_with_load_errors``) so vLLM recomputes them -- or, with several KV-cache groups,
 whose block ids vLLM cannot map back to requests, fails the request's whole load
@@ -53,8 +60,8 @@ from kvring.common.threadclock import ThreadClock, ThreadTimes
 from .config import ConnectorConfig
 from .copies import buffer_runs, copies_for, slot_runs
 from .instance import KVGroups
-from .metadata import KVRingMetadata, ReqMeta, SaveSpec
-from .parts import ChunkPart, RankShard, kinds
+from .metadata import KVRingMetadata, ReqMeta, SaveSpec, StateSave
+from .parts import STATE, ChunkPart, RankShard, kinds
 from .stats import Counters
 
 logger = logging.getLogger(__name__)
@@ -100,6 +107,7 @@ class _LoadJob:
     def __init__(self, worker: WorkerSide, requests: list[ReqMeta]) -> None:
         self.worker = worker
         self.layer_done = [threading.Event() for _ in worker.layer_names]
+        self.state_loads = 0  # state parts among ``keys`` (a model with recurrent state)
         self.finished = threading.Event()
         self.ready = threading.Event()  # async: finished, and its copies in the cache (CUDA: synchronized)
         self.failed_blocks: set[int] = set()
@@ -127,19 +135,24 @@ class _LoadJob:
             for k, key in enumerate(req.load.keys):
                 first = req.load.start + k * worker.chunk
                 for wp in worker.parts:
-                    if wp.part.window and first + worker.chunk <= req.load.window_from[wp.part.window]:
+                    if wp.part.state:
+                        if k < len(req.load.keys) - 1 or req.load.state_block is None:
+                            continue  # a load resumes from the state after its last chunk only
+                        self.state_loads += 1
+                    elif wp.part.window and first + worker.chunk <= req.load.window_from[wp.part.window]:
                         continue  # before the window: vLLM keeps no blocks of this group there
                     self.keys.append(wp.part.key(key))
                     self.owner.append(_PartLoad(req, k, wp, self.chunks))
                 self.chunks += 1
         # Layerwise loads gate layer l on layer l of every part: parts of one kind only.
-        self.uniform = len({o.part.layers for o in self.owner}) <= 1
+        self.uniform = not self.state_loads and len({o.part.layers for o in self.owner}) <= 1
 
     def run(self) -> None:
         clock = ThreadClock()
         w = self.worker
         found: list = [None] * len(self.keys)
-        got = np.zeros((len(w.layer_names), len(self.keys)), dtype=bool)
+        got = np.zeros((max([len(w.layer_names), *(len(o.part.layers) for o in self.owner)]), len(self.keys)),
+                       dtype=bool)
         for i, owner in enumerate(self.owner):
             got[len(owner.part.layers):, i] = True  # layers a part does not have
         unusable: set[int] = set()
@@ -221,11 +234,19 @@ class _LoadJob:
         owner = self.owner[i]
         req, chunk, window = owner.req, self.worker.chunk, owner.part.part.window
         first = req.load.start + owner.chunk * chunk
+        if window == STATE:  # the state after the load's last token
+            return req, first, req.load.end - 1, req.load.end
         lo = max(first, req.load.write_from, req.load.window_from[window] if window else 0)
         return req, first, lo, min(first + chunk, req.load.end)
 
     def _scatter(self, layer: int, i: int, view) -> None:
         """Copy part ``i``'s frame of ``layer`` into the paged cache, at the part's head."""
+        page = self._state_page(layer, i)
+        if page is not None:
+            if len(view) != len(page):
+                raise ValueError(f"a state of {len(view)} bytes, this model's are {len(page)}")
+            page[:] = view
+            return
         where = self._where(layer, i)
         if where is not None:
             self.worker.copies.load(where.kv, where.runs, view, where.row0)
@@ -237,6 +258,9 @@ class _LoadJob:
         copy does, so no byte lands after an abandon."""
         if not 0 <= layer < len(self.owner[i].part.layers):
             return None
+        page = self._state_page(layer, i)
+        if page is not None:
+            return Landing([page], self._lock, self._wanted) if size == len(page) else None
         try:
             where = self._where(layer, i)
         except ValueError:  # copied, and refused there
@@ -248,6 +272,14 @@ class _LoadJob:
 
     def _wanted(self) -> bool:
         return not self.abandoned
+
+    def _state_page(self, layer: int, i: int) -> memoryview | None:
+        """Where part ``i``'s frame of ``layer`` goes if it is a state part: the state bytes of
+        that state layer's page of the load's state block (``None``: an attention part)."""
+        owner = self.owner[i]
+        if not owner.part.part.state:
+            return None
+        return self.worker.state_page(owner.part.layers[layer], owner.req.load.state_block)
 
     def _where(self, layer: int, i: int) -> _Where | None:
         """Part ``i``'s layer ``layer`` in the cache: its head's view, the slot runs it writes
@@ -340,6 +372,8 @@ class WorkerSide:
         # first stage's; without one given, an instance of one stage's (once the caches are known).
         self.anchor = anchor
         self.layer_groups: list[int] = []  # per layer here: its KV-cache group (block table)
+        self.state_caches: list[torch.Tensor] = []  # a model with recurrent state: its layers' caches, in order
+        self._state_part: WorkerPart | None = None  # and the part it saves them as
         self.parts: list[WorkerPart] = []  # the parts this worker loads
         self._saved_parts: list[WorkerPart] = []
         self._save_rows: list[list[tuple[WorkerPart, int]]] = []
@@ -365,6 +399,10 @@ class WorkerSide:
         self.loads: list[dict] = []  # per-step load statistics (also appended to config.stats_path)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        state = self.groups.state
+        if state is not None:  # the recurrent-state layers are saved and loaded apart (``state_page``)
+            self.state_caches = [kv_caches[name] for name in state.layer_names if name in kv_caches]
+            kv_caches = {name: kv for name, kv in kv_caches.items() if name not in state.layer_names}
         self.kv_caches = kv_caches
         self.layer_names = list(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
@@ -378,7 +416,9 @@ class WorkerSide:
         if self.shard is None:
             self.shard = RankShard.whole(first.shape[1], len(self.layer_names))
         shard = self.shard
-        if first.shape[1] != len(shard.heads) or len(self.layer_names) != shard.end_layer - shard.first_layer:
+        windows = self.groups.windows[shard.first_layer:shard.end_layer]
+        attention_layers = len(windows) - windows.count(STATE) if windows else shard.end_layer - shard.first_layer
+        if first.shape[1] != len(shard.heads) or len(self.layer_names) != attention_layers:
             raise ValueError(f"KVRingConnector: this worker's KV cache holds {first.shape[1]} KV heads of "
                              f"{len(self.layer_names)} layers, but its tensor/pipeline-parallel rank should hold "
                              f"{len(shard.heads)} heads of layers [{shard.first_layer}, {shard.end_layer})")
@@ -386,11 +426,14 @@ class WorkerSide:
         self.layer_groups = [self.groups.group_of(name) for name in self.layer_names]
         self.parts = self._parts()
         self._saved_parts = [p for p in self.parts if self.shard.saves[p.head]]  # one replica of each head
+        self._state_part = next((p for p in self.parts if p.part.state), None)
         if self.anchor is None and shard.first_layer == 0:
             self.anchor = next((p.part for p in self.parts if p.part.head == 0 and p.part.announces), None)
         # per layer: the saved parts holding it, and its row in them
         self._save_rows: list[list[tuple[WorkerPart, int]]] = [[] for _ in self.layer_names]
         for part in self._saved_parts:
+            if part.part.state:
+                continue  # saved from ``wait_for_save``, not by layer
             for row, layer in enumerate(part.layers):
                 self._save_rows[layer].append((part, row))
 
@@ -405,6 +448,9 @@ class WorkerSide:
         position = {extract_layer_index(name): i for i, name in enumerate(self.layer_names)}
         parts = []
         for window in kinds(windows, shard.first_layer, shard.end_layer):
+            if window == STATE:  # one part of every state layer here, in order
+                parts.append(WorkerPart(shard.part(0, STATE), 0, tuple(range(len(self.state_caches)))))
+                continue
             for j in range(len(shard.heads)):
                 part = shard.part(j, window)
                 parts.append(WorkerPart(part, j, tuple(position[layer] for layer in part.layers(windows))))
@@ -599,6 +645,8 @@ class WorkerSide:
         rows = [min(self.chunk, save.end - save.start - i * self.chunk) for i in range(len(save.keys))]
         entries = {}
         for part in self._saved_parts:
+            if part.part.state:
+                continue  # saved from ``wait_for_save`` (``save_states``)
             window = part.part.window
             skip = -(-(save.live_from[window] - save.start) // self.chunk) if window else 0
             first = min(max(skip, 0), len(rows))
@@ -631,11 +679,51 @@ class WorkerSide:
             self.counters.add(failed_saves=n, save_seconds=time.perf_counter() - start)
             logger.warning("kvring save of %d chunk parts failed (dropped): %s", n, exc)
 
-    def wait_for_save(self) -> None:
+    def state_page(self, layer: int, block: int) -> memoryview:
+        """The state bytes of state layer ``layer`` (its position in ``state_caches``) in
+        ``block``: the first ``StateGroup.nbytes`` of the layer's page there, writable."""
+        page = self.state_caches[layer][block]
+        if not page.is_contiguous():
+            raise ValueError("a state page that is not one range of memory")
+        return memoryview(page.view(torch.uint8).numpy()).cast("B")[:self.groups.state.nbytes]
+
+    def save_states(self, states: list[StateSave]) -> None:
+        """Copy each state vLLM handed over this step out of its block (after the forward that
+        computed it, before vLLM can reuse the block) and store it as its chunk's state part."""
+        part = self._state_part
+        if part is None or not states:
+            return
+        for state in states:
+            try:
+                buf = np.empty((len(self.state_caches), 1, 1, self.groups.state.nbytes), dtype=np.uint8)
+                for layer in range(len(self.state_caches)):
+                    buf[layer, 0, 0] = np.frombuffer(self.state_page(layer, state.block), dtype=np.uint8)
+            except (ValueError, IndexError) as exc:
+                self.saves_failed += 1
+                self.counters.add(failed_saves=1)
+                logger.warning("kvring: the recurrent state of block %d cannot be saved (dropped): %s", state.block, exc)
+                continue
+            self._saver.submit(self._put_state, part.part.key(state.key), buf, state.namespace)
+
+    def _put_state(self, key: bytes, buf: np.ndarray, namespace: str) -> None:
+        start = time.perf_counter()
+        try:
+            stored = self.client.put_many([ChunkItem.of(key, buf, list(buf.shape), "uint8", 1, namespace)])[0]
+            self.parts_saved += int(stored)
+            self.counters.add(saved_parts=int(stored), saved_bytes=buf.nbytes if stored else 0,
+                              save_seconds=time.perf_counter() - start, failed_saves=int(not stored))
+        except Exception as exc:
+            self.saves_failed += 1
+            self.counters.add(failed_saves=1, save_seconds=time.perf_counter() - start)
+            logger.warning("kvring save of a recurrent state failed (dropped): %s", exc)
+
+    def wait_for_save(self, meta: KVRingMetadata | None = None) -> None:
         # The network part runs in the background (the forward pass never waits on it); the
         # copies out of the blocks are ordered before vLLM can reuse them.
         if self.kv_caches:
             self.copies.order_saves_before_reuse()
+        if meta is not None and meta.states:
+            self.save_states(meta.states)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued saves (shutdown, tests)."""

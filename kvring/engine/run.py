@@ -165,6 +165,26 @@ def write_tiny_deepseek(path: Path, layers: int = 2, hidden: int = 256, heads: i
     return path
 
 
+def write_tiny_qwen3_next(path: Path, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
+                          vocab: int = 2048, seed: int = 0) -> Path:
+    """A small random-weight Qwen3-Next: gated-delta-net layers (linear attention, a recurrent
+    state per request) with a full-attention layer every second one, and a mixture of experts.
+    vLLM's CPU gated delta net runs bfloat16 only (its state float32)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
+                             linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
+                             decoder_sparse_step=1, full_attention_interval=2, max_position_embeddings=16384,
+                             torch_dtype="bfloat16")
+    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def _model_config(model_dir: Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
@@ -443,6 +463,8 @@ def engine_kwargs(spec: dict) -> dict[str, Any]:
         kw["block_size"] = spec["block_size"]
     if spec.get("disable_hybrid_kv_cache_manager"):
         kw["disable_hybrid_kv_cache_manager"] = True
+    if spec.get("mamba_cache_mode"):
+        kw["mamba_cache_mode"] = spec["mamba_cache_mode"]
     if pp > 1:
         # vLLM's CPU runner allocates a later stage's input buffers in its warm-up, which it runs
         # only for a compiled model: eager it asserts on its first step.  Dynamo traced once with
@@ -477,15 +499,23 @@ def layout_of(spec: dict, chunk_size: int):
     return _layout(EngineArgs(**kw).create_engine_config(), chunk_size)
 
 
-def _layout(vllm_config, chunk_size: int):
+def _layout(vllm_config, chunk_size: int, kv_cache_config=None):
     """The connector's layout for an engine of ``vllm_config``, as seen from outside its processes.
 
-    The connector reads each layer's sliding window from the KV-cache groups vLLM gives it in
-    the engine's processes; from here they are read off the model's config (``layer_types`` and
-    ``sliding_window``, as the Llama, Gemma 2/3, gpt-oss and Mistral configs give them) when
-    vLLM keeps its hybrid KV-cache manager on.
+    The connector reads each layer's kind from the KV-cache groups vLLM gives it in the
+    engine's processes: ``kv_cache_config``, where the caller has them (an engine in this
+    process).  Without them, sliding windows are read off the model's config (``layer_types``
+    and ``sliding_window``, as the Llama, Gemma 2/3, gpt-oss and Mistral configs give them) when
+    vLLM keeps its hybrid KV-cache manager on; a model with recurrent state then has no layout
+    here (``None``: its state's format is known in the engine only).
     """
     from kvring.connector.instance import KVGroups, layout_from_vllm
+
+    if kv_cache_config is not None:
+        groups = KVGroups.of(kv_cache_config, vllm_config.model_config.get_total_num_hidden_layers())
+        return layout_from_vllm(vllm_config, chunk_size, groups=groups)
+    if vllm_config.model_config.is_hybrid:
+        return None
 
     text = vllm_config.model_config.hf_text_config
     window = getattr(text, "sliding_window", None)
@@ -547,14 +577,15 @@ def run(spec: dict) -> dict:
         steps.append({"prompts": len(outs), "seconds": t1 - t0,
                       "counters": connector_counters() if spec.get("connector") else {}})
     keys: list[list[str] | None] = []
-    layout_fields = parts = None
+    layout_fields = parts = layout = None
     if spec.get("connector"):
         from kvring.cachenode.client import ClusterClient
         from kvring.connector.instance import chunk_parts
         from kvring.connector.keys import KeyScope, request_keys
 
         with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
-            layout = _layout(llm.llm_engine.vllm_config, c.contract.chunk_size)
+            layout = _layout(llm.llm_engine.vllm_config, c.contract.chunk_size, _kv_cache_config(llm))
+    if layout is not None:
         # (head, first layer, end layer[, window]): ChunkPart(*coords); the window of a hybrid layout only
         parts = [dataclasses.astuple(p)[:3 if p.window is None else 4]
                  for p in chunk_parts(llm.llm_engine.vllm_config, layout).parts]
@@ -572,6 +603,12 @@ def top_logprobs(completion) -> list[dict[str, float]]:
     """A completion's top logprobs per generated token, as JSON keeps them: ``{token: logprob}``
     with the token a string."""
     return [{str(t): lp.logprob for t, lp in step.items()} for step in completion.logprobs or []]
+
+
+def _kv_cache_config(llm):
+    """The KV-cache groups of an engine whose core runs in this process (else ``None``)."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    return getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
 
 
 def _bind_workers(workers: int) -> None:

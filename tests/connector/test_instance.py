@@ -11,6 +11,7 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttention
                                         MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec)
 
 from kvring.connector.instance import KVGroups, check_chunk_blocks, check_kv_groups
+from kvring.connector.parts import STATE
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
@@ -23,6 +24,8 @@ def _config(*specs) -> SimpleNamespace:
 SLIDING = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128)
 WIDE = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=1024)
 MAMBA = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+MAMBA_ALIGN = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32),
+                        mamba_cache_mode="align")
 MLA = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
 LOCAL = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
                                   attention_chunk_size=256)
@@ -32,8 +35,9 @@ FULL32 = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=to
 HYBRID_FIX = "--disable-hybrid-kv-cache-manager"
 
 
-@pytest.mark.parametrize("specs", [(FULL,), (MLA,), (SLIDING,), (FULL, SLIDING), (SLIDING, SLIDING, WIDE, FULL)],
-                         ids=["full", "mla", "sliding-only", "hybrid", "two-windows"])
+@pytest.mark.parametrize("specs", [(FULL,), (MLA,), (SLIDING,), (FULL, SLIDING), (SLIDING, SLIDING, WIDE, FULL),
+                                   (MAMBA_ALIGN, FULL)],
+                         ids=["full", "mla", "sliding-only", "hybrid", "two-windows", "mamba-align"])
 def test_full_attention_mla_and_sliding_window_groups_are_served(specs):
     check_kv_groups(_config(*specs))
 
@@ -46,6 +50,17 @@ def test_the_groups_give_each_layer_its_block_table_and_window():
     assert not one.several and not one.hybrid and one.windows == ()
 
 
+def test_a_recurrent_state_group_is_the_state_layers_and_their_bytes():
+    """A Mamba-style group in align mode: its layers are ``STATE`` in the layout (no attention
+    block table), and a state is its tensors' bytes one after another (3x8 bf16 + 2x4x4 fp32)."""
+    groups = KVGroups.of(_config(MAMBA_ALIGN, FULL), num_layers=2)
+    assert groups.windows == (STATE, 0) and groups.several
+    assert groups.state.group == 0 and groups.state.layer_names == ("layers.0.attn",)
+    assert groups.state.nbytes == 3 * 8 * 2 + 2 * 4 * 4 * 4
+    assert "(3, 8):bfloat16;(2, 4, 4):float32" in groups.state.format
+    assert [groups.group_of("layers.1.attn")] == [1] and "layers.0.attn" not in groups.layer_groups
+
+
 @pytest.mark.parametrize("specs, why, fix", [
     ((MLA, MLA), ["group 0 (MLAAttentionSpec", "neither full-attention nor sliding-window"], HYBRID_FIX),
     ((FULL, LOCAL), ["group 1 (ChunkedLocalAttentionSpec: layers.1.attn)"], HYBRID_FIX),
@@ -53,8 +68,10 @@ def test_the_groups_give_each_layer_its_block_table_and_window():
     ((FULL32, SLIDING), ["block sizes [16, 32]"], HYBRID_FIX),
     ((LOCAL,), ["group 0 (ChunkedLocalAttentionSpec: layers.0.attn) is neither full-attention nor sliding-window"],
      "without --kv-transfer-config"),
-    ((FULL, MAMBA), ["group 1 (MambaSpec: layers.1.attn)", "not attention KV"], "without --kv-transfer-config"),
-], ids=["two-mla-groups", "chunked-local", "sliding-mla", "block-sizes", "local-only", "mamba"])
+    ((FULL, MAMBA), ["group 1 (MambaSpec: layers.1.attn)", "'align' mode"], "--mamba-cache-mode align"),
+    ((MAMBA_ALIGN, FULL, MAMBA_ALIGN), ["several recurrent-state groups"], "without --kv-transfer-config"),
+], ids=["two-mla-groups", "chunked-local", "sliding-mla", "block-sizes", "local-only", "mamba-not-align",
+        "two-mamba-groups"])
 def test_caches_it_cannot_load_correctly_are_refused_naming_the_group_and_the_fix(specs, why, fix):
     with pytest.raises(ValueError, match="cannot serve this model without risking wrong KV") as err:
         check_kv_groups(_config(*specs))

@@ -11,7 +11,7 @@ import pytest
 
 from kvring.connector.keys import KVLayout, request_keys
 from kvring.connector.instance import stage_layers
-from kvring.connector.parts import BrokenChunk, ChunkPart, ChunkParts, RankShard, window_start
+from kvring.connector.parts import STATE, BrokenChunk, ChunkPart, ChunkParts, RankShard, window_start
 
 LAYOUT = KVLayout(model="m", config_fingerprint="f", kv_dtype="bfloat16", num_layers=4, num_kv_heads=4,
                   head_size=16, block_layout="BHNC", chunk_size=16)
@@ -165,3 +165,55 @@ def _hits(flags: list[bool], n_tokens: int) -> int:
 ])
 def test_a_hit_needs_the_full_parts_of_every_chunk_and_each_windows_parts_before_its_end(missing, hits):
     assert _hits(_flags(20, missing), n_tokens=20 * 16 + 1) == hits
+
+
+# A model with recurrent state: layers 0 and 2 keep a state (Mamba, gated delta net), 1 and 3
+# are full attention.
+RECURRENT = KVLayout(model="m", config_fingerprint="f", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2,
+                     head_size=16, block_layout="BHNC", chunk_size=16, windows=(STATE, 0, STATE, 0),
+                     state_format="gdn|(3, 8):bfloat16|conv=SD")
+
+
+def test_a_model_with_recurrent_state_stores_one_state_part_per_chunk_beside_its_attention_parts():
+    parts = RECURRENT.parts().parts
+    assert [(p.head, p.window, p.layers(RECURRENT.windows)) for p in parts] == [
+        (0, STATE, (0, 2)), (0, 0, (1, 3)), (1, 0, (1, 3))]
+    state = parts[0]
+    assert state.state and not state.announces and not state.anchored_by(RECURRENT.parts().anchor)
+    assert RECURRENT.parts().anchor == ChunkPart(0, 0, 4, 0)
+    # The state's format is in the namespace: a state of other bytes is never another's key.
+    other = KVLayout(**{**RECURRENT.__dict__, "state_format": "gdn|(3, 8):bfloat16|conv=DS"})
+    assert other.namespace() != RECURRENT.namespace()
+    assert len({p.key(b"k" * 16) for p in parts}) == 3
+    # A window's part keys end with the window as before (big-endian), the state's with -1.
+    assert ChunkPart(0, 0, 4, 64).key(b"k").endswith((64).to_bytes(4, "big"))
+    assert state.key(b"k").endswith(b"\xff" * 4)
+
+
+def _state_flags(chunks: int, missing: dict[int, set[int]]) -> list[bool]:
+    parts = RECURRENT.parts().parts
+    return [p.window not in missing.get(c, set()) for c in range(chunks) for p in parts]
+
+
+def _state_end(k: int, n_tokens: int) -> int:
+    """Where the scheduler ends a load of ``k`` chunks of a model with state (before the last token)."""
+    return k * 16 if k * 16 < n_tokens else (n_tokens - 1) // 16 * 16
+
+
+@pytest.mark.parametrize("missing, n_tokens, hits", [
+    ({}, 20 * 16 + 1, 20),  # every part there: every chunk
+    ({c: {STATE} for c in range(19)}, 20 * 16 + 1, 20),  # only the last chunk's state is needed
+    ({19: {STATE}}, 20 * 16 + 1, 19),  # without it the hit ends on the last state before it
+    ({c: {STATE} for c in range(10, 20)}, 20 * 16 + 1, 10),
+    ({5: {0}}, 20 * 16 + 1, 5),  # an attention part missing: no load reaches past it
+    ({5: {0}, 4: {STATE}}, 20 * 16 + 1, 4),
+    # A prompt of exactly 20 chunks: vLLM computes its last token, so no hit ends at 320 and
+    # the state there is no use; the hit ends on chunk 19's state.
+    ({}, 20 * 16, 19),
+    ({18: {STATE}}, 20 * 16, 18),
+    ({c: {STATE} for c in range(20)}, 20 * 16 + 1, 0),  # no state anywhere: no hit
+])
+def test_a_hit_of_a_model_with_state_ends_on_a_saved_state_with_every_attention_part_before_it(missing, n_tokens,
+                                                                                             hits):
+    flags = _state_flags(20, missing)
+    assert RECURRENT.parts().leading_hits(flags, 16, lambda k: _state_end(k, n_tokens), block_size=16) == hits

@@ -25,6 +25,7 @@ from kvring.cachenode.client import Transfer
 from kvring.connector.admission import PROBE_INTERVAL_S, SAMPLE_TTL_S, WINDOW, LoadCostModel, Refusal
 from kvring.connector.config import ConnectorConfig
 from kvring.connector.keys import KVLayout, request_keys
+from kvring.connector.parts import STATE
 from kvring.connector.scheduler import SchedulerSide
 
 CHUNK = 256
@@ -405,6 +406,62 @@ def test_a_step_that_computes_nothing_is_marked_idle_for_the_workers(cluster):
 
         assert sched.build_connector_meta(step(0)).idle
         assert not sched.build_connector_meta(step(37)).idle
+    finally:
+        sched.shutdown()
+        client.close()
+
+
+RECURRENT = KVLayout(model="tiny-ssm", config_fingerprint="f", kv_dtype="bfloat16", num_layers=2, num_kv_heads=2,
+                     head_size=16, block_layout="BHNC", chunk_size=CHUNK, windows=(STATE, 0),
+                     state_format="gdn|(3, 8):bfloat16|conv=SD")
+
+
+def test_a_model_with_state_hits_up_to_its_last_saved_state_and_saves_the_states_vllm_hands_over(cluster):
+    """A model with recurrent state (its group 0): a hit ends on the last chunk whose state is
+    stored, with every attention part before it; of the states vLLM offers in a step, those that
+    end a chunk of the prompt past the hit are saved, from the block vLLM named -- not a state
+    inside a chunk, not another group's block, not a preempted request's."""
+    config = ConnectorConfig(etcd=cluster.etcd, cluster=cluster.cluster, lookup_deadline_ms=DEADLINE_MS,
+                             load_mode="async", load_admission=False)
+    client = ClusterClient(cluster.etcd, cluster=cluster.cluster)
+    assert client.wait_for_nodes(3)
+    sched = SchedulerSide(config, RECURRENT, client, block_size=16, bytes_per_token=256, state_group=0)
+    try:
+        rng = np.random.default_rng(21)
+        tokens = rng.integers(10, 30_000, size=4 * CHUNK + 7).tolist()
+        request = _request("ssm", tokens)
+        request.all_token_ids = tokens
+        keys = request_keys(RECURRENT, tokens)
+        attention, state = [p for p in RECURRENT.parts().parts if not p.state], RECURRENT.parts().parts[0]
+        kv = np.zeros(CHUNK * 32 * 2, dtype=np.uint8)
+        assert all(client.put_many([ChunkItem.of(p.key(k), kv, [1, CHUNK, 1, 32], "bfloat16", CHUNK)
+                                    for k in keys for p in attention]))
+        # States after chunks 0 and 1, none after 2 or 3.
+        assert all(client.put_many([ChunkItem.of(state.key(k), np.ones(64, dtype=np.uint8), [1, 1, 1, 64], "uint8", 1)
+                                    for k in keys[:2]]))
+        sched.on_new_request(request)
+        n, is_async = None, None
+        deadline = time.monotonic() + 5
+        while n is None and time.monotonic() < deadline:
+            n, is_async = sched.get_num_new_matched_tokens(request, 0)
+            sched.new_step()
+        assert (n, is_async) == (2 * CHUNK, True)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([0] * 31 + [77], list(range(100, 165))))
+        sched.update_state_after_alloc(request, blocks, 2 * CHUNK)
+        block_state = SimpleNamespace(boundary_state_offloads={
+            # 512 (loaded), 600 (inside a chunk), 768 of group 1 (not the state), 768 and 1024 (saved)
+            "ssm": [(0, 5, 2 * CHUNK), (0, 6, 600), (1, 9, 3 * CHUNK), (0, 7, 3 * CHUNK), (0, 8, 4 * CHUNK)],
+            "gone": [(0, 11, CHUNK)]})  # preempted as this step was scheduled
+        new = SimpleNamespace(req_id="ssm", prompt_token_ids=tokens, block_ids=([0] * 31 + [77], list(range(100, 165))),
+                              num_computed_tokens=2 * CHUNK)
+        out = SimpleNamespace(total_num_scheduled_tokens=len(tokens) - 2 * CHUNK, scheduled_new_reqs=[new],
+                              num_scheduled_tokens={"ssm": len(tokens) - 2 * CHUNK},
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=[]), kv_connector_block_state=block_state,
+                              preempted_req_ids={"gone"})
+        meta = sched.build_connector_meta(out)
+        assert [(s.key, s.block) for s in meta.states] == [(keys[2], 7), (keys[3], 8)]
+        loads = [r.load for r in meta.requests if r.load is not None]
+        assert [(load.end, load.state_block) for load in loads] == [(2 * CHUNK, 77)]
     finally:
         sched.shutdown()
         client.close()

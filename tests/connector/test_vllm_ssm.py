@@ -1,0 +1,89 @@
+"""A model with recurrent state (a Qwen3-Next: gated-delta-net layers and full-attention ones)
+served by the real vLLM engine in its ``align`` mode, through the connector.
+
+Its chunks hold the attention layers' KV and, where vLLM handed one over, the state of the
+linear-attention layers after the chunk's last token.  A load resumes from that state: it loads
+the attention KV of every chunk of the hit and the state after the last one, so the hit ends
+exactly where a state was saved.  The output after a load equals a recompute's, logprobs
+included; a state that is not the one saved changes them (so the comparison sees the state),
+and a chunk whose state is missing is not where a hit ends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvring.cachenode.client import ClusterClient
+from kvring.common.chunk import ChunkItem
+from kvring.connector.parts import STATE, ChunkPart
+from kvring.engine.run import run_instance, write_tiny_qwen3_next
+from kvring.local.cluster import LocalCluster
+
+CHUNK = 256
+LAYERS = 4  # gated delta net, full attention, gated delta net, full attention
+STATE_LAYERS = 2
+# One gated-delta-net layer's state: its conv state (3 x 512 bfloat16) and its recurrent state
+# (4 heads x 64 x 64 float32).
+STATE_BYTES = 3 * 512 * 2 + 4 * 64 * 64 * 4
+KV_BYTES = 2 * 2 * 64 * 2  # per token and attention layer: K and V of 2 KV heads of 64, bfloat16
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return str(write_tiny_qwen3_next(tmp_path_factory.mktemp("ssm") / "qwen3-next", layers=LAYERS))
+
+
+def _spec(model: str, conn: dict, prompts: list, **more) -> dict:
+    return {"model": model, "dtype": "bfloat16", "max_model_len": 2048, "prefix_caching": True,
+            "mamba_cache_mode": "align", "connector": conn, "prompts": prompts, "logprobs": 5, **more}
+
+
+def _loaded_bytes(run: dict, step: int) -> float:
+    before = run["steps"][step - 1]["counters"]["loaded_bytes"] if step else 0.0
+    return run["steps"][step]["counters"]["loaded_bytes"] - before
+
+
+def test_a_model_with_recurrent_state_loads_what_another_instance_stored(etcd_server, qwen3_next, tmp_path):
+    rng = np.random.default_rng(11)
+    # 1,000 tokens: vLLM prefills [0, 768) and [768, 1000) (its align mode ends a step on the
+    # last block boundary before the prompt's last token) and hands over the state at 768, the
+    # end of chunk 2: a hit of 3 chunks.
+    prompt = rng.integers(10, 2000, size=1000).tolist()
+    with LocalCluster(nodes=2, memory=128 << 20, etcd=etcd_server.endpoint, cluster="e2e-ssm") as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
+                "lookup_deadline_ms": 10_000}
+        a = run_instance(tmp_path, "A", _spec(qwen3_next, conn, [{"tokens": prompt}]))
+        assert a["layout"]["windows"] == [STATE, 0, STATE, 0]
+        b = run_instance(tmp_path, "B", _spec(qwen3_next, conn, [{"tokens": prompt, "salt": "b"}, {"tokens": prompt}]))
+        ref, loaded = b["results"]
+        assert ref["cached"] == 0 and loaded["cached"] == 3 * CHUNK
+        assert loaded["tokens"] == ref["tokens"] == a["results"][0]["tokens"]
+        assert loaded["logprobs"] == ref["logprobs"]
+        # What the load fetched: 3 chunks of both attention layers, and one state of both
+        # state layers (not one per chunk).
+        assert _loaded_bytes(b, 1) == 3 * CHUNK * 2 * KV_BYTES + STATE_LAYERS * STATE_BYTES
+
+        # The state the load resumed from decides the output: the same chunks with another
+        # state after them (the saved one, its recurrent state halved) load, and come out otherwise.
+        state_key = ChunkPart(0, 0, LAYERS, STATE).key(bytes.fromhex(a["keys"][0][2]))
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            saved = client.get([state_key])[0]
+            assert saved is not None and saved.meta.shape == [STATE_LAYERS, 1, 1, STATE_BYTES]
+            other = saved.data.reshape(STATE_LAYERS, STATE_BYTES).copy()
+            recurrent = other[:, 3 * 512 * 2:].view(np.float32)
+            recurrent *= 0.5
+            client.delete([state_key])
+            assert client.put_many([ChunkItem.of(state_key, other, saved.meta.shape, "uint8", 1,
+                                                 saved.meta.namespace)]) == [1]
+        c = run_instance(tmp_path, "C", _spec(qwen3_next, conn, [{"tokens": prompt}]))
+        assert c["results"][0]["cached"] == 3 * CHUNK
+        assert c["results"][0]["logprobs"] != ref["logprobs"]
+
+        # Without a state after chunk 2 no hit ends there, nor anywhere before it (no state was
+        # saved at 256 or 512): the prompt is computed, and comes out as the recompute did.
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            assert client.delete([state_key]) == 1
+        d = run_instance(tmp_path, "D", _spec(qwen3_next, conn, [{"tokens": prompt}]))
+        assert d["results"][0]["cached"] == 0 and _loaded_bytes(d, 0) == 0
+        assert d["results"][0]["logprobs"] == ref["logprobs"]
