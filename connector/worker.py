@@ -306,7 +306,13 @@ class _LoadJob:
         if hi <= lo:
             return 0
         self.failed_reqs.add(req.req_id)
-        blocks = set((req.slot_mapping[lo:hi] // self.worker.block_size).tolist()) - self.failed_blocks
+        part = self.owner[i].part
+        if part.part.state:
+            blocks = {req.load.state_block}
+        else:  # (each group's blocks: block ids are the pool's, one group's at a time)
+            slots = req.slots(self.worker.layer_groups[part.layers[0]]) if part.layers else req.slot_mapping
+            blocks = set((slots[lo:hi] // self.worker.block_size).tolist())
+        blocks -= self.failed_blocks
         self.failed_blocks |= blocks
         return len(blocks)
 
@@ -558,7 +564,8 @@ class WorkerSide:
             if job is not None:  # get_finished reports it done, with its blocks (or itself) failed
                 job.abandon()
                 continue
-            slots = req.slot_mapping[req.load.write_from:req.load.end]
+            # (group 0 may be a state group, which has no slots: an attention group's blocks)
+            slots = req.slots(self.layer_groups[0] if self.layer_groups else 0)[req.load.write_from:req.load.end]
             blocks = set((slots // self.block_size).tolist())
             self.counters.failed("error", len(blocks - self._failed))
             if req.load.asynchronous:  # never started: get_finished reports it done (and failed)

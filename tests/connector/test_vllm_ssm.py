@@ -16,8 +16,9 @@ import pytest
 
 from kvring.cachenode.client import ClusterClient
 from kvring.common.chunk import ChunkItem
+from kvring.connector.keys import KVLayout, request_keys
 from kvring.connector.parts import STATE, ChunkPart
-from kvring.engine.run import run_instance, write_tiny_qwen3_next
+from kvring.engine.run import decision_between, run_instance, start_instance, write_tiny_qwen3_next
 from kvring.local.cluster import LocalCluster
 
 CHUNK = 256
@@ -87,3 +88,56 @@ def test_a_model_with_recurrent_state_loads_what_another_instance_stored(etcd_se
         d = run_instance(tmp_path, "D", _spec(qwen3_next, conn, [{"tokens": prompt}]))
         assert d["results"][0]["cached"] == 0 and _loaded_bytes(d, 0) == 0
         assert d["results"][0]["logprobs"] == ref["logprobs"]
+
+
+def test_a_node_stopped_or_killed_during_a_load_of_state_ends_in_a_recompute(etcd_server, qwen3_next, tmp_path):
+    """The node that holds a prompt's state part is stopped (SIGSTOP) or killed as the load asks
+    it for the state: the load fails (or is abandoned at its deadline), vLLM recomputes the request
+    whole, and its output is the one computed without kvring."""
+    rng = np.random.default_rng(12)
+    with LocalCluster(nodes=3, memory=128 << 20, etcd=etcd_server.endpoint, cluster="e2e-ssm-fail",
+                      node_args=["--fault-injection"]) as cluster:
+        conn = {"etcd": cluster.etcd, "cluster": cluster.cluster, "load_admission": False,
+                "lookup_deadline_ms": 5000.0, "timeout": 3.0}
+        # The keys' namespace names the model's directory and the state's format, which only an
+        # engine knows: one started with no prompt gives the layout, which places the prompts.
+        layout = KVLayout(**{**run_instance(tmp_path, "layout", _spec(qwen3_next, conn, []))["layout"],
+                             "windows": (STATE, 0, STATE, 0)})
+        stopped, killed = cluster.nodes[0], cluster.nodes[1]
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            assert client.wait_for_nodes(3)
+
+            def state_owner(prompt: list[int]) -> str:
+                return client.owners(ChunkPart(0, 0, LAYERS, STATE).key(request_keys(layout, prompt)[2]))[0]
+
+            prompts = [rng.integers(10, 2000, size=1000).tolist()]
+            for node in (stopped, killed):  # a prompt whose state part the node owns
+                prompts.append(next(p for p in iter(lambda: rng.integers(10, 2000, size=1000).tolist(), None)
+                                    if state_owner(p) == node.node_id))
+        a = run_instance(tmp_path, "A", _spec(qwen3_next, conn, [{"tokens": p} for p in prompts]))
+        assert a["layout"]["state_format"] == layout.state_format
+
+        def poison(node, signal: str) -> dict:
+            return {"post": f"{node.admin_addr}/debug/signal-on-get?signal={signal}", "headers": cluster.node_auth}
+
+        steps = [{"tokens": prompts[0]},  # 0: loaded, every node healthy
+                 poison(stopped, "SIGSTOP"), {"tokens": prompts[1]},  # 1: its load stops the state's node
+                 {"signal": [stopped.pid, "SIGCONT"]},
+                 poison(killed, "SIGKILL"), {"tokens": prompts[2]}]  # 2: its load kills the state's node
+        # vLLM's own processes (not the suite's one-process engines): the loads race a stopped and
+        # a killed node against their deadlines, as they do beside a production engine.
+        (tmp_path / "vllm-tmp").mkdir()
+        instance = start_instance(tmp_path, "B", {**_spec(qwen3_next, conn, steps), "in_process": False},
+                                  tmpdir=tmp_path / "vllm-tmp")
+        try:
+            out = instance.result(timeout=600)
+        finally:
+            instance.stop()
+    r, counters = out["results"], [s["counters"] for s in out["steps"]]
+    assert r[0]["cached"] == 3 * CHUNK and r[0]["logprobs"] == a["results"][0]["logprobs"]
+    assert len(r) == 3
+    for i in (1, 2):
+        assert decision_between(counters[i - 1], counters[i]) in ("load failed", "abandoned"), i
+        # vLLM took the failed load of several groups as a failed request and recomputed it whole.
+        assert r[i]["cached"] == 0 and r[i]["tokens"] == a["results"][i]["tokens"], i
+        assert r[i]["logprobs"] == a["results"][i]["logprobs"], i
