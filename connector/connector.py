@@ -21,7 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from .attach import connect
 from .config import ConnectorConfig
 from .instance import (KVGroups, check_chunk_blocks, check_kv_groups, check_parallel, check_state, chunk_parts,
-                       layout_from_vllm, rank_shard, worker_load_bytes)
+                       layout_from_vllm, rank_shard, state_block_size_advice, worker_load_bytes)
 from .metadata import KVRingMetadata
 from .scheduler import SchedulerSide
 from .stats import KVRingPromMetrics, KVRingStats
@@ -67,8 +67,10 @@ class KVRingConnector(KVConnectorBase_V1, SupportsHMA):
         self.client, chunk = connect(self.config)
         block_size = vllm_config.cache_config.block_size
         check_chunk_blocks(chunk, block_size)
+        if role == KVConnectorRole.SCHEDULER and (advice := state_block_size_advice(vllm_config, groups)):
+            logger.warning("%s", advice)
         layout = layout_from_vllm(vllm_config, chunk, weights_version=self.config.weights_version, groups=groups)
-        parts = chunk_parts(vllm_config, layout)
+        parts = chunk_parts(vllm_config, layout, groups)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, layout, self.client, block_size,
                                             worker_load_bytes(vllm_config, layout, groups), parts,

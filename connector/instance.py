@@ -78,7 +78,12 @@ class StateGroup:
     group: int
     layer_names: tuple[str, ...]  # in model-layer order
     nbytes: int
-    format: str  # what the bytes depend on: ``KVLayout.state_format``
+    format: str  # what the bytes depend on (``KVLayout.state_format`` adds the shards)
+    replicated: bool = False  # every tensor-parallel rank holds the whole state (else a slice)
+
+    def shards(self, tp_size: int) -> int:
+        """The slices a chunk's state is stored in: one per tensor-parallel rank, or one."""
+        return 1 if self.replicated else tp_size
 
     @classmethod
     def of(cls, index: int, group) -> StateGroup:
@@ -93,7 +98,7 @@ class StateGroup:
         conv_layout = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "")
         return cls(index, tuple(sorted(group.layer_names, key=extract_layer_index)), sum(sizes),
                    f"{type(spec.mamba_type).__name__}.{getattr(spec.mamba_type, 'name', spec.mamba_type)}"
-                   f"|{tensors}|conv={conv_layout}")
+                   f"|{tensors}|conv={conv_layout}", bool(getattr(spec, "tp_replicated", False)))
 
 
 def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "",
@@ -112,7 +117,14 @@ def layout_from_vllm(vllm_config, chunk_size: int, weights_version: str = "",
         num_layers=model.get_total_num_hidden_layers(), num_kv_heads=_total_kv_heads(model),
         head_size=model.get_head_size(), block_layout="BHNC", chunk_size=chunk_size,
         weights_version=weights_version, latent=bool(model.use_mla), windows=groups.windows if groups else (),
-        state_format=groups.state.format if groups and groups.state else "")
+        state_format=state_format_of(vllm_config, groups))
+
+
+def state_format_of(vllm_config, groups: KVGroups | None) -> str:
+    """``KVLayout.state_format``: the state's bytes, and the slices it is stored in."""
+    if groups is None or groups.state is None:
+        return ""
+    return f"{groups.state.format}|shards={groups.state.shards(vllm_config.parallel_config.tensor_parallel_size)}"
 
 
 def _total_kv_heads(model) -> int:
@@ -128,9 +140,12 @@ def stage_layers(num_layers: int, pp_size: int) -> tuple[tuple[int, int], ...]:
     return tuple(get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size))
 
 
-def chunk_parts(vllm_config, layout: KVLayout) -> ChunkParts:
-    """Every part of a chunk this instance loads: each KV head of each of its pipeline stages."""
-    return layout.parts(stage_layers(layout.num_layers, vllm_config.parallel_config.pipeline_parallel_size))
+def chunk_parts(vllm_config, layout: KVLayout, groups: KVGroups | None = None) -> ChunkParts:
+    """Every part of a chunk this instance loads: each KV head of each of its pipeline stages
+    (and each slice of a recurrent state, ``groups`` having one)."""
+    parallel = vllm_config.parallel_config
+    shards = groups.state.shards(parallel.tensor_parallel_size) if groups and groups.state else 1
+    return layout.parts(stage_layers(layout.num_layers, parallel.pipeline_parallel_size), shards)
 
 
 def rank_shard(vllm_config) -> RankShard:
@@ -187,7 +202,8 @@ def check_kv_groups(kv_cache_config) -> None:
     if len(groups) == 1 and _loadable(groups[0].kv_cache_spec):
         return
     odd = [named(i, g) for i, g in enumerate(groups)
-           if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec) and not isinstance(g.kv_cache_spec, MambaSpec)]
+           if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec)
+           and not isinstance(g.kv_cache_spec, MambaSpec)]
     sizes = {g.kv_cache_spec.block_size for g in groups}
     if odd:
         problem = (f"{'; '.join(odd)} {'is' if len(odd) == 1 else 'are'} neither full-attention nor sliding-window "
@@ -205,21 +221,37 @@ def check_kv_groups(kv_cache_config) -> None:
 
 def check_state(vllm_config, groups: KVGroups) -> None:
     """Refuse a deployment of a model with recurrent state that kvring does not serve yet
-    (``ValueError`` saying what to change): its state parts are stored per instance shape, and
-    only one worker's, on vLLM's CPU build, is done so far."""
+    (``ValueError`` saying what to change): pipeline stages, and the GPU path of its copies."""
     if groups.state is None:
         return
     parallel = vllm_config.parallel_config
-    problems = [f"{name.replace('_', ' ')} {getattr(parallel, name)}"
-                for name in ("tensor_parallel_size", "pipeline_parallel_size") if getattr(parallel, name, 1) > 1]
+    problems = []
+    if parallel.pipeline_parallel_size > 1:
+        problems.append(f"pipeline parallel size {parallel.pipeline_parallel_size}")
     device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
     if device != "cpu":
         problems.append(f"device {device}")
     if problems:
         raise ValueError(f"KVRingConnector cannot serve a model with recurrent state (Mamba, linear attention) with "
-                         f"{' and '.join(problems)} yet: its state is loaded and saved by one worker on CPU so far. "
-                         "Serve it with --tensor-parallel-size 1 --pipeline-parallel-size 1, or without "
+                         f"{' and '.join(problems)} yet: its state is loaded and saved on vLLM's CPU build, without "
+                         "pipeline stages, so far. Serve it with --pipeline-parallel-size 1, or without "
                          "--kv-transfer-config.")
+
+
+def state_block_size_advice(vllm_config, groups: KVGroups) -> str | None:
+    """What to set so that vLLM hands over a model's recurrent state at its blocks' boundaries
+    (``None``: nothing).  vLLM raises such a model's block size until an attention page holds a
+    state, in its workers; unless ``--block-size`` gives it, vLLM 0.32's scheduler in an engine
+    core of its own (``vllm serve``) keeps the platform's default, ends prefill steps on that
+    size's boundaries, which are not the state's, and so hands over almost no state: prompts are
+    computed, never loaded."""
+    cache = vllm_config.cache_config
+    if groups.state is None or cache.user_specified_block_size:
+        return None
+    return (f"KVRingConnector: start vLLM with --block-size {cache.block_size} (the block size it chose for this "
+            "model's recurrent state): without it vLLM's scheduler ends prefill steps on its default block size "
+            "when its engine core runs in a process of its own, hands over almost no state, and kvring stores "
+            "almost none of this model's prompts")
 
 
 def check_chunk_blocks(chunk_size: int, block_size: int) -> None:

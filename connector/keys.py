@@ -69,10 +69,11 @@ class KVLayout:
         """KV bytes of one token across all layers and KV heads."""
         return self.num_layers * self.num_kv_heads * self.channels * _DTYPE_BYTES.get(self.kv_dtype, 1)
 
-    def parts(self, stages: tuple[tuple[int, int], ...] | None = None) -> ChunkParts:
+    def parts(self, stages: tuple[tuple[int, int], ...] | None = None, state_shards: int = 1) -> ChunkParts:
         """The parts of a chunk stored by instances whose pipeline stages hold ``stages`` (the
-        layer range of each; ``None``: one stage with every layer)."""
-        return ChunkParts(self.num_kv_heads, stages or ((0, self.num_layers),), self.windows)
+        layer range of each; ``None``: one stage with every layer), and whose recurrent state,
+        if any, is in ``state_shards`` slices (``ChunkParts.state_shards``)."""
+        return ChunkParts(self.num_kv_heads, stages or ((0, self.num_layers),), self.windows, state_shards)
 
     def namespace(self, scope: KeyScope | None = None) -> str:
         """The chain's root string for requests of ``scope``."""

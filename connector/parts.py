@@ -32,7 +32,10 @@ as one more part per stage (``STATE``): their states *after the chunk's last tok
 per state layer.  vLLM has that state only where a step ended on a block boundary, so a chunk's
 state part is saved where vLLM hands one over (``connector/scheduler.py``) and is missing
 elsewhere; a load of ``k`` chunks needs the attention parts of all of them and the state part of
-the last one only, and it must end exactly there (``leading_hits``' ``load_end``).
+the last one only, and it must end exactly there (``leading_hits``' ``load_end``).  Tensor-
+parallel ranks hold slices of the state (its heads), so each rank stores and loads its own
+state part (``RankShard.state_part``); the slices' shapes are in the key namespace, so instances
+of other TP sizes never read them.
 
 Parts are placed on the ring by their own keys, so a chunk's parts spread over the nodes and a
 rank's load draws from all of them in parallel.
@@ -113,11 +116,14 @@ class ChunkParts:
     num_kv_heads: int
     stages: tuple[tuple[int, int], ...]
     windows: tuple[int, ...] = ()  # a hybrid layout: each model layer's sliding window (0: full attention)
+    # A model with recurrent state: the state parts of a stage, one per tensor-parallel rank when
+    # the ranks hold slices of the state (``RankShard.state_part``), else one.
+    state_shards: int = 1
 
     @property
     def parts(self) -> tuple[ChunkPart, ...]:
-        return tuple(ChunkPart(h, first, end, w) for first, end in self.stages
-                     for w in kinds(self.windows, first, end) for h in range(1 if w == STATE else self.num_kv_heads))
+        return tuple(ChunkPart(h, first, end, w) for first, end in self.stages for w in kinds(self.windows, first, end)
+                     for h in range(self.state_shards if w == STATE else self.num_kv_heads))
 
     @property
     def anchor(self) -> ChunkPart | None:
@@ -187,6 +193,7 @@ class RankShard:
     saves: tuple[bool, ...]
     first_layer: int
     end_layer: int
+    rank: int = 0  # its tensor-parallel rank
 
     @classmethod
     def of_rank(cls, num_kv_heads: int, tp_size: int, tp_rank: int, layers: tuple[int, int]) -> RankShard:
@@ -200,11 +207,11 @@ class RankShard:
             if num_kv_heads % tp_size:
                 raise ValueError(f"{num_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks")
             per = num_kv_heads // tp_size
-            return cls(tuple(range(tp_rank * per, (tp_rank + 1) * per)), (True,) * per, *layers)
+            return cls(tuple(range(tp_rank * per, (tp_rank + 1) * per)), (True,) * per, *layers, rank=tp_rank)
         if tp_size % num_kv_heads:
             raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over {tp_size} tensor-parallel ranks")
         replicas = tp_size // num_kv_heads
-        return cls((tp_rank // replicas,), (tp_rank % replicas == 0,), *layers)
+        return cls((tp_rank // replicas,), (tp_rank % replicas == 0,), *layers, rank=tp_rank)
 
     @classmethod
     def whole(cls, num_kv_heads: int, num_layers: int) -> RankShard:
@@ -215,6 +222,11 @@ class RankShard:
         """The part of the head at index ``local_head`` of this worker's cache (of the layers with
         ``window``, in a hybrid layout)."""
         return ChunkPart(self.heads[local_head], self.first_layer, self.end_layer, window)
+
+    def state_part(self, replicated: bool) -> ChunkPart:
+        """The state part of this worker's stage: its own slice of the state (its rank's), or,
+        where every rank holds the whole state (``replicated``), the one rank 0 stores."""
+        return ChunkPart(0 if replicated else self.rank, self.first_layer, self.end_layer, STATE)
 
     @property
     def saved_heads(self) -> tuple[int, ...]:

@@ -455,7 +455,8 @@ class WorkerSide:
         parts = []
         for window in kinds(windows, shard.first_layer, shard.end_layer):
             if window == STATE:  # one part of every state layer here, in order
-                parts.append(WorkerPart(shard.part(0, STATE), 0, tuple(range(len(self.state_caches)))))
+                part = shard.state_part(self.groups.state.replicated)
+                parts.append(WorkerPart(part, 0, tuple(range(len(self.state_caches)))))
                 continue
             for j in range(len(shard.heads)):
                 part = shard.part(j, window)
@@ -698,8 +699,8 @@ class WorkerSide:
         """Copy each state vLLM handed over this step out of its block (after the forward that
         computed it, before vLLM can reuse the block) and store it as its chunk's state part."""
         part = self._state_part
-        if part is None or not states:
-            return
+        if part is None or not states or part.part.head != self.shard.rank:
+            return  # (a state every rank holds whole is stored by rank 0)
         for state in states:
             try:
                 buf = np.empty((len(self.state_caches), 1, 1, self.groups.state.nbytes), dtype=np.uint8)
@@ -708,7 +709,8 @@ class WorkerSide:
             except (ValueError, IndexError) as exc:
                 self.saves_failed += 1
                 self.counters.add(failed_saves=1)
-                logger.warning("kvring: the recurrent state of block %d cannot be saved (dropped): %s", state.block, exc)
+                logger.warning("kvring: the recurrent state of block %d cannot be saved (dropped): %s", state.block,
+                               exc)
                 continue
             self._saver.submit(self._put_state, part.part.key(state.key), buf, state.namespace)
 

@@ -435,22 +435,22 @@ def test_bench_e2e_tp_sums_its_workers_loads_and_shows_both_tp_sizes(tmp_path):
     assert 0 < _plain_tcp_gbps({"bytes": 8 * part, "parts": 8, "workers": 2}, 6) < 1000
 
 
-@pytest.mark.timeout(600)  # six vLLM engine starts: some 4 minutes on a 2-core machine
-def test_bench_shapes_stores_and_loads_a_llama_an_mla_model_and_a_hybrid(tmp_path):
+@pytest.mark.timeout(800)  # eight vLLM engine starts
+def test_bench_shapes_stores_and_loads_a_llama_an_mla_model_a_hybrid_and_one_with_state(tmp_path):
     """One run of `kvring bench shapes` on small models: each shape's stored bytes per token is
     what its KV layout says (MLA: one 576-value latent per token and layer, below the Llama's
-    K and V of 4 heads of 128; the hybrid stores what the Llama does), and B's load of each
-    equals its recompute."""
+    K and V of 4 heads of 128; the hybrid stores what the Llama does; the model with recurrent
+    state its attention layers' KV and one state), and B's load of each equals its recompute."""
     out, plot = tmp_path / "shapes.json", tmp_path / "shapes.png"
     before = set(glob.glob(str(Path(tempfile.gettempdir()) / "kvring-bench-shapes-*")))
     proc = subprocess.run([sys.executable, "-P", "-m", "kvring.cli", "bench", "shapes", "--tokens", "600",
                            "--repetitions", "1", "--hidden", "256", "--memory", "256MiB", "--json", str(out),
-                           "--plot", str(plot)], capture_output=True, text=True, timeout=560)
+                           "--plot", str(plot)], capture_output=True, text=True, timeout=760)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "kvring bench shapes" in proc.stdout
     r = json.loads(out.read_text())
     shapes = r["shapes"]
-    assert list(shapes) == ["llama", "mla", "hybrid"]
+    assert list(shapes) == ["llama", "mla", "hybrid", "recurrent"]
     layers, floats = r["model"]["layers"], 4
     assert (shapes["mla"]["latent"], shapes["mla"]["kv_heads"], shapes["mla"]["head_size"]) == (True, 1, 576)
     assert shapes["hybrid"]["windows"] == [512] * 5 + [0] and shapes["llama"]["windows"] == []
@@ -458,9 +458,15 @@ def test_bench_shapes_stores_and_loads_a_llama_an_mla_model_and_a_hybrid(tmp_pat
     assert per_token["llama"] == layers * 4 * 2 * 128 * floats
     assert per_token["mla"] == layers * 576 * floats < per_token["llama"]
     assert per_token["hybrid"] == per_token["llama"]
+    # Qwen3-Next: 3 gated-delta-net layers, each state a conv state of 3 x 512 bfloat16 and a
+    # recurrent one of 4 x 64 x 64 float32, and 3 full-attention layers of 2 KV heads of 64 (bfloat16).
+    assert shapes["recurrent"]["windows"] == [-1, 0] * (layers // 2)
+    state = 3 * 512 * 2 + 4 * 64 * 64 * 4
+    stored = {name: 512 * per_token[name] for name in ("llama", "mla", "hybrid")}
+    stored["recurrent"] = 512 * (layers // 2) * 2 * 2 * 64 * 2 + (layers // 2) * state
     for name, s in shapes.items():
         (row,) = s["rows"]
-        assert row["whole_chunk_tokens"] == 512 and row["stored_bytes"] == 512 * per_token[name], name
+        assert row["whole_chunk_tokens"] == 512 and row["stored_bytes"] == stored[name], name
         assert row["loaded_tokens"] > 0 and row["identical"], (name, row["repetitions"])
         # A load fetches every part of the prompt (the hybrid's window, 512, covers its 2 chunks).
         assert row["fetched_bytes"]["median"] == row["stored_bytes"], name

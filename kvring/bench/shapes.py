@@ -11,7 +11,16 @@ count (by default hidden 1024, 6 layers, float32, vocabulary 2048, MLP ``2 * hid
   576 values, whatever the head count, stored as one part that every rank shares;
 - ``hybrid``: a Gemma-3-like model, 8 heads and 4 KV heads of 128 (the Llama's KV shape), five
   sliding-window layers (a window of 512 tokens) to one full-attention layer, served with
-  vLLM's hybrid KV-cache manager on (block size 32; the connector loads it asynchronously).
+  vLLM's hybrid KV-cache manager on (block size 32; the connector loads it asynchronously);
+- ``recurrent``: a Qwen3-Next, gated-delta-net layers (linear attention: one recurrent state per
+  request) alternating with full-attention ones (8 heads, 2 KV heads of 64), in vLLM's
+  ``align`` mode with its prefix caching on (vLLM hands states over at block boundaries only
+  there), bfloat16 (vLLM's CPU gated delta net takes no other), ``--block-size 256`` (what vLLM
+  picks for it, and the chunk size; given, as the connector asks, so that vLLM's scheduler ends
+  prefill steps on those blocks): a load fetches every chunk's attention KV and one state, the one after the
+  last chunk of the hit, so its ``fetched / token`` falls with the prompt's length.  Its hit ends
+  where vLLM handed a state over, the last chunk boundary before the prompt's last token.  B
+  resets vLLM's own prefix cache after each load, so each load asks kvring again.
 
 So the MLA model stores fewer bytes per token than the Llama: 576 values per token and layer
 against 1024 (0.56x).  That is a property of these shapes, not of MLA alone: the latent's 576 are
@@ -54,27 +63,31 @@ from kvring.bench.e2e import _warmup
 from kvring.bench.e2e_tp import _stored_bytes
 from kvring.bench.report import machine, spread, summary, write_outputs
 from kvring.cachenode.client import ClusterClient
+from kvring.connector.parts import STATE
 from kvring.engine.run import decision_between
 from kvring.local.cluster import LocalCluster
 from kvring.local.rundir import run_directory
 
-SHAPES = ("llama", "mla", "hybrid")
+SHAPES = ("llama", "mla", "hybrid", "recurrent")
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 128  # the Llama's and the hybrid's attention
 WINDOW = 512  # the hybrid's sliding window, in tokens
 VOCAB = 2048
 STEP_TIMEOUT_S = 1800  # the longest wait for one instance's step (a start, or B's measured prompts)
 # What each engine needs beyond the common spec (the MLA and hybrid ones as their tests run them).
-ENGINE = {"llama": {}, "mla": {"block_size": 16}, "hybrid": {"block_size": 32}}
+ENGINE = {"llama": {}, "mla": {"block_size": 16}, "hybrid": {"block_size": 32},
+          "recurrent": {"dtype": "bfloat16", "prefix_caching": True, "mamba_cache_mode": "align", "block_size": 256}}
 
 
 def _write_model(shape: str, path: Path, layers: int, hidden: int) -> str:
-    from kvring.engine.run import write_tiny_deepseek, write_tiny_gemma3, write_tiny_llama
+    from kvring.engine.run import write_tiny_deepseek, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen3_next
 
     if shape == "llama":
         return str(write_tiny_llama(path, layers=layers, hidden=hidden, heads=HEADS, kv_heads=KV_HEADS, vocab=VOCAB,
                                     head_dim=HEAD_DIM))
     if shape == "mla":
         return str(write_tiny_deepseek(path, layers=layers, hidden=hidden, heads=HEADS, vocab=VOCAB))
+    if shape == "recurrent":
+        return str(write_tiny_qwen3_next(path, layers=layers, hidden=hidden, heads=HEADS, kv_heads=2, vocab=VOCAB))
     return str(write_tiny_gemma3(path, layers=layers, window=WINDOW, hidden=hidden, heads=HEADS, kv_heads=KV_HEADS,
                                  head_dim=HEAD_DIM, vocab=VOCAB))
 
@@ -85,13 +98,15 @@ def _prompts(sizes: Sequence[int], seed: int = 11) -> list[list[int]]:
     return [rng.integers(10, VOCAB, size=n).tolist() for n in sizes]
 
 
-def _b_items(prompts: list[list[int]], repetitions: int, ready: Path, go: Path) -> list[dict]:
+def _b_items(prompts: list[list[int]], repetitions: int, ready: Path, go: Path, local_cache: bool) -> list[dict]:
     """B's prompts: a warm-up, then (once A is done: ``go``) per prompt and repetition a recompute
-    and a load."""
+    and a load (and, where vLLM's own prefix caching is on, a reset of it after the load)."""
     items = [_warmup("B"), {"touch": str(ready)}, {"wait_for": str(go), "timeout": STEP_TIMEOUT_S}]
     for j, p in enumerate(prompts):
         for r in range(repetitions):
             items += [{"tokens": p, "salt": f"recompute-{j}-{r}"}, {"tokens": p}]
+            if local_cache:
+                items.append({"reset_local_cache": True})
     return items
 
 
@@ -161,10 +176,13 @@ def run_bench_shapes(sizes: Sequence[int] = (2048, 4096), layers: int = 6, hidde
                 bar.advance(task)
                 bar.update(task, description=f"{shape}: vLLM instance A computes and stores {len(sizes)} prompts")
                 ready, go = tmp / f"{shape}-B-ready", tmp / f"{shape}-B-go"
-                b_instance = start_instance(tmp, f"{shape}-B", {**base, "prompts": _b_items(prompts, repetitions,
-                                                                                            ready, go)})
+                b_items = _b_items(prompts, repetitions, ready, go, bool(base.get("prefix_caching")))
+                b_instance = start_instance(tmp, f"{shape}-B", {**base, "prompts": b_items})
                 try:
-                    a = run_instance(tmp, f"{shape}-A", {**base, "prompts": [{"tokens": p} for p in prompts]})
+                    # (a model with recurrent state in this process: only there is its layout known,
+                    # which the stored bytes are counted by)
+                    a = run_instance(tmp, f"{shape}-A", {**base, "prompts": [{"tokens": p} for p in prompts],
+                                                         "in_process": shape == "recurrent"})
                     stored = [_stored_bytes(client, a, j) for j in range(len(sizes))]
                     bar.advance(task)
                     bar.update(task, description=f"{shape}: vLLM instance B recomputes and loads, {repetitions}x each")
@@ -186,6 +204,9 @@ def run_bench_shapes(sizes: Sequence[int] = (2048, 4096), layers: int = 6, hidde
 def _attention(s: dict) -> str:
     if s["latent"]:
         return f"MLA latent {s['head_size']}"
+    if STATE in s["windows"]:
+        states = s["windows"].count(STATE)
+        return f"{states} x recurrent state + {len(s['windows']) - states} full"
     if s["windows"]:
         sliding = sum(1 for w in s["windows"] if w)
         return f"{sliding} x window {max(s['windows'])} + {len(s['windows']) - sliding} full"

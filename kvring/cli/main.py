@@ -570,7 +570,8 @@ def bench_shapes(
     plot: PlotOpt = None,
 ) -> None:
     """Stored bytes per token and time to first token, loaded vs recomputed, of a Llama, an MLA model
-    (DeepSeek-V2) and a sliding-window hybrid (Gemma-3-like) of the same size, through one local cluster."""
+    (DeepSeek-V2), a sliding-window hybrid (Gemma-3-like) and a model with recurrent state (Qwen3-Next) of the
+    same size, through one local cluster."""
     from kvring.bench.shapes import run_bench_shapes
 
     sizes = _prompt_sizes(tokens, example="2048,4096")

@@ -42,6 +42,8 @@ SPEC (JSON)::
                                                       #   with the cluster's node token in a header)
          | {"reset_cache": true}                      # reset_prefix_cache(reset_connector=True): what
                                                       #   vLLM does after an in-place weight update
+         | {"reset_local_cache": true}                # reset_prefix_cache(): vLLM's own prefix cache
+                                                      #   only (the next run of a prompt asks kvring)
          | {"wait_for": PATH, "timeout": 1800}        # wait until the file PATH exists (a driver's go)
          | {"touch": PATH}                            # create the file PATH (tell a driver a step is done)
 
@@ -85,7 +87,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-_ACTIONS = {"signal", "post", "reset_cache", "wait_for", "touch"}  # spec steps that run no prompt
+_ACTIONS = {"signal", "post", "reset_cache", "reset_local_cache", "wait_for", "touch"}  # spec steps that run no prompt
 IN_PROCESS_ENV = "KVRING_ENGINE_IN_PROCESS"  # "1": engines without a spec's "in_process" run in one process
 # vLLM binds its IPC sockets at VLLM_RPC_BASE_PATH/<uuid4>; a Unix socket's path has at most 107 bytes.
 IPC_BASE_MAX = 107 - len("/") - 36
@@ -499,20 +501,19 @@ def layout_of(spec: dict, chunk_size: int):
     return _layout(EngineArgs(**kw).create_engine_config(), chunk_size)
 
 
-def _layout(vllm_config, chunk_size: int, kv_cache_config=None):
+def _layout(vllm_config, chunk_size: int, groups=None):
     """The connector's layout for an engine of ``vllm_config``, as seen from outside its processes.
 
     The connector reads each layer's kind from the KV-cache groups vLLM gives it in the
-    engine's processes: ``kv_cache_config``, where the caller has them (an engine in this
-    process).  Without them, sliding windows are read off the model's config (``layer_types``
-    and ``sliding_window``, as the Llama, Gemma 2/3, gpt-oss and Mistral configs give them) when
-    vLLM keeps its hybrid KV-cache manager on; a model with recurrent state then has no layout
-    here (``None``: its state's format is known in the engine only).
+    engine's processes: ``groups`` (``KVGroups``), where the caller has them (an engine whose
+    core runs in this process).  Without them, sliding windows are read off the model's config
+    (``layer_types`` and ``sliding_window``, as the Llama, Gemma 2/3, gpt-oss and Mistral configs
+    give them) when vLLM keeps its hybrid KV-cache manager on; a model with recurrent state then
+    has no layout here (``None``: its state's format is known in the engine only).
     """
     from kvring.connector.instance import KVGroups, layout_from_vllm
 
-    if kv_cache_config is not None:
-        groups = KVGroups.of(kv_cache_config, vllm_config.model_config.get_total_num_hidden_layers())
+    if groups is not None:
         return layout_from_vllm(vllm_config, chunk_size, groups=groups)
     if vllm_config.model_config.is_hybrid:
         return None
@@ -555,9 +556,10 @@ def run(spec: dict) -> dict:
             with urllib.request.urlopen(request, timeout=10) as resp:
                 resp.read()
             continue
-        if "reset_cache" in step:
-            if not llm.reset_prefix_cache(reset_connector=True):
-                raise RuntimeError("reset_prefix_cache(reset_connector=True) failed")
+        if "reset_cache" in step or "reset_local_cache" in step:
+            whole = "reset_cache" in step
+            if not llm.reset_prefix_cache(reset_connector=whole):
+                raise RuntimeError(f"reset_prefix_cache(reset_connector={whole}) failed")
             continue
         batch = step.get("batch") or [step]
         prompts = [_prompt(spec, item) for item in batch]
@@ -580,15 +582,19 @@ def run(spec: dict) -> dict:
     layout_fields = parts = layout = None
     if spec.get("connector"):
         from kvring.cachenode.client import ClusterClient
-        from kvring.connector.instance import chunk_parts
+        from kvring.connector.instance import KVGroups, chunk_parts
         from kvring.connector.keys import KeyScope, request_keys
 
+        vllm_config = llm.llm_engine.vllm_config
+        cache_config = _kv_cache_config(llm)
+        groups = (KVGroups.of(cache_config, vllm_config.model_config.get_total_num_hidden_layers())
+                  if cache_config is not None else None)
         with ClusterClient(spec["connector"]["etcd"], cluster=spec["connector"].get("cluster", "default")) as c:
-            layout = _layout(llm.llm_engine.vllm_config, c.contract.chunk_size, _kv_cache_config(llm))
+            layout = _layout(vllm_config, c.contract.chunk_size, groups)
     if layout is not None:
         # (head, first layer, end layer[, window]): ChunkPart(*coords); the window of a hybrid layout only
         parts = [dataclasses.astuple(p)[:3 if p.window is None else 4]
-                 for p in chunk_parts(llm.llm_engine.vllm_config, layout).parts]
+                 for p in chunk_parts(vllm_config, layout, groups).parts]
         # Keys of plain token prompts only: how the connector keys a prompt under an adapter or
         # given as embeddings is the connector's business, so those items get None.
         keys = [[k.hex() for k in request_keys(layout, item["tokens"], KeyScope(cache_salt=item.get("salt") or ""))]

@@ -10,7 +10,7 @@ import torch
 from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec)
 
-from kvring.connector.instance import KVGroups, check_chunk_blocks, check_kv_groups
+from kvring.connector.instance import KVGroups, check_chunk_blocks, check_kv_groups, state_format_of
 from kvring.connector.parts import STATE
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
@@ -85,3 +85,14 @@ def test_chunks_of_part_blocks_are_refused():
         check_chunk_blocks(chunk, block)
     with pytest.raises(ValueError, match="192 tokens, which is not a whole number of vLLM's 128-token blocks"):
         check_chunk_blocks(192, 128)
+
+
+def test_the_state_format_names_the_slices_a_state_is_stored_in():
+    """The key namespace of a model with recurrent state names its state's bytes and how many
+    slices it is stored in, so instances of other TP sizes never read another's slices."""
+    groups = KVGroups.of(_config(MAMBA_ALIGN, FULL), num_layers=2)
+    formats = {tp: state_format_of(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp)), groups)
+               for tp in (1, 2)}
+    assert formats[1].endswith("|shards=1") and formats[2].endswith("|shards=2")
+    assert groups.state.shards(4) == 4 and not groups.state.replicated
+    assert state_format_of(None, KVGroups.of(_config(FULL), num_layers=1)) == ""

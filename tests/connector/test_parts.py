@@ -217,3 +217,16 @@ def test_a_hit_of_a_model_with_state_ends_on_a_saved_state_with_every_attention_
                                                                                              hits):
     flags = _state_flags(20, missing)
     assert RECURRENT.parts().leading_hits(flags, 16, lambda k: _state_end(k, n_tokens), block_size=16) == hits
+
+
+def test_under_tensor_parallelism_each_rank_stores_and_loads_its_own_slice_of_the_state():
+    """Ranks hold slices of a recurrent state (its heads): a chunk has one state part per rank,
+    each rank's named by its rank; a state every rank holds whole is one part, rank 0's."""
+    parts = RECURRENT.parts(state_shards=2).parts
+    assert [(p.head, p.window) for p in parts] == [(0, STATE), (1, STATE), (0, 0), (1, 0)]
+    ranks = [RankShard.of_rank(2, 2, r, (0, 4)) for r in range(2)]
+    assert [s.state_part(replicated=False) for s in ranks] == [parts[0], parts[1]]
+    assert [s.state_part(replicated=True) for s in ranks] == [parts[0], parts[0]]
+    # A hit needs every rank's state after its last chunk.
+    flags = [not (c == 3 and p == parts[1]) for c in range(4) for p in parts]
+    assert RECURRENT.parts(state_shards=2).leading_hits(flags, 16, lambda k: _state_end(k, 4 * 16 + 1), 16) == 3
