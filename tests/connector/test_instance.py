@@ -10,7 +10,8 @@ import torch
 from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec)
 
-from kvring.connector.instance import KVGroups, check_chunk_blocks, check_kv_groups, state_format_of
+from kvring.connector.instance import (KVGroups, check_chunk_blocks, check_kv_groups, state_block_size_advice,
+                                       state_format_of)
 from kvring.connector.parts import STATE
 
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
@@ -96,3 +97,16 @@ def test_the_state_format_names_the_slices_a_state_is_stored_in():
     assert formats[1].endswith("|shards=1") and formats[2].endswith("|shards=2")
     assert groups.state.shards(4) == 4 and not groups.state.replicated
     assert state_format_of(None, KVGroups.of(_config(FULL), num_layers=1)) == ""
+
+
+def test_a_model_with_state_started_without_its_block_size_is_told_to_give_it():
+    """vLLM's scheduler in an engine core of its own ends prefill steps on the block size it was
+    given: the connector names the size to give when the model has recurrent state."""
+    groups = KVGroups.of(_config(MAMBA_ALIGN, FULL), num_layers=2)
+
+    def config(given: bool) -> SimpleNamespace:
+        return SimpleNamespace(cache_config=SimpleNamespace(block_size=256, user_specified_block_size=given))
+
+    assert "start vLLM with --block-size 256" in state_block_size_advice(config(False), groups)
+    assert state_block_size_advice(config(True), groups) is None
+    assert state_block_size_advice(config(False), KVGroups.of(_config(FULL), num_layers=1)) is None
