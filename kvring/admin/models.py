@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvring.connector.parts import STATE
+
 TokenId = Annotated[int, Field(ge=0, lt=2**32, description="A token id (hashed as uint32, as the connector does).")]
 
 
@@ -121,13 +123,19 @@ class LayoutIn(BaseModel):
     weights_version: str = ""
     latent: bool = Field(False, description="An MLA model: one latent of head_size per token and layer.")
     windows: list[int] = Field(default_factory=list, description=(
-        "A sliding-window hybrid served with vLLM's hybrid KV-cache manager: each layer's window in tokens "
-        "(0: full attention), num_layers of them; empty for every other model."))
+        "A sliding-window hybrid served with vLLM's hybrid KV-cache manager, or a model with recurrent state: "
+        "each layer's window in tokens (0: full attention, -1: a recurrent-state layer), num_layers of them; "
+        "empty for every other model."))
+    state_format: str = Field("", description="A model with recurrent state: its state's format, as the "
+                                              "connector's layout gives it; empty for every other model.")
 
     @model_validator(mode="after")
     def _windows_per_layer(self) -> LayoutIn:
-        if self.windows and (len(self.windows) != self.num_layers or min(self.windows) < 0):
-            raise ValueError(f"windows needs one window >= 0 per layer ({self.num_layers}), got {len(self.windows)}")
+        if self.windows and (len(self.windows) != self.num_layers or min(self.windows) < STATE):
+            raise ValueError(f"windows needs one window >= 0 (or -1: recurrent state) per layer ({self.num_layers}), "
+                             f"got {len(self.windows)}")
+        if (STATE in self.windows) != bool(self.state_format):
+            raise ValueError("a layout with recurrent-state layers (window -1) gives its 'state_format', and only it")
         return self
 
 
@@ -167,6 +175,9 @@ class LookupIn(BaseModel):
     stages: list[tuple[int, int]] | None = Field(
         default=None, max_length=256, description="The layer range [first, end) of each pipeline stage of the "
                                                   "instance, as vLLM splits them; default: one stage.")
+    state_shards: int = Field(default=1, ge=1, le=4096,
+                              description="A model with recurrent state: the slices its state is stored in (the "
+                                          "instance's tensor-parallel size; 1 where every rank holds it whole).")
 
     @model_validator(mode="after")
     def _one_namespace_source(self) -> LookupIn:

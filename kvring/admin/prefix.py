@@ -69,7 +69,7 @@ def keys_and_owners(body: LookupIn, chunk_size: int, ring: HashRing | None, clus
         scope = KeyScope(cache_salt=body.cache_salt or "", adapter=body.adapter, weights_epoch=body.weights_epoch)
         spans = [MMSpan(**s.model_dump()) for s in body.mm_spans]
         namespace, keys = layout.namespace(scope), request_keys(layout, body.token_ids, scope, spans)
-        parts = layout.parts(stages)
+        parts = layout.parts(stages, body.state_shards)
     part_keys = parts.keys(keys)
     if not keys:
         return PromptKeys(namespace, [], [], len(parts.parts), [], parts)

@@ -30,6 +30,7 @@ from kvring.cachenode.store import ENTRY_OVERHEAD
 from kvring.common.chunk import ChunkItem
 from kvring.common.nodetoken import NodeToken
 from kvring.connector.keys import KeyScope, KVLayout, request_keys
+from kvring.connector.parts import STATE
 from kvring.local.cluster import LocalCluster, free_port
 from kvring.membership.settings import EtcdSettings
 
@@ -145,6 +146,27 @@ def _layout_body(tokens, salt=None, **extra):
     return {"token_ids": tokens, "layout": vars(LAYOUT), "cache_salt": salt, **extra}
 
 
+def test_a_lookup_of_a_model_with_recurrent_state_ends_on_the_last_chunk_with_every_state_slice(api, client):
+    """A model with recurrent state: a chunk counts as the end of the prefix only where every
+    slice of its state is held (TP 2: two), as the connector's lookup counts it."""
+    layout = KVLayout(**{**vars(LAYOUT), "windows": (STATE, 0), "state_format": "gdn|(3, 8):bfloat16|shards=2"})
+    rng = np.random.default_rng(12)
+    tokens = [int(t) for t in rng.integers(0, 32_000, size=4 * 256 + 9)]
+    keys = request_keys(layout, tokens)
+    parts = layout.parts(state_shards=2)
+    attention = [p for p in parts.parts if not p.state]
+    states = [p for p in parts.parts if p.state]
+    assert len(states) == 2
+    # Every chunk's attention parts; both slices of the state after chunk 1, one of them after chunk 3.
+    _put(client, [p.key(k) for k in keys for p in attention] + [p.key(keys[1]) for p in states]
+         + [states[0].key(keys[3])], layout.namespace())
+    body = api.post("/v1/lookup", json={"token_ids": tokens, "state_shards": 2,
+                                        "layout": {**vars(layout), "windows": list(layout.windows)}}).json()
+    assert body["matched_chunks"] == 2 and body["matched_tokens"] == 512
+    assert [c["parts"] for c in body["chunks"]] == [4] * 4
+    assert [c["parts_held"] for c in body["chunks"]] == [2, 4, 2, 3]
+
+
 def test_prefix_lookup_agrees_with_the_connectors_lookup(api, cluster, client):
     from kvring.connector.config import ConnectorConfig
     from kvring.connector.scheduler import SchedulerSide
@@ -252,7 +274,9 @@ def test_a_hybrid_layouts_prefix_needs_its_windows_parts_only_where_the_window_r
     ({"token_ids": [1], "layout": vars(LAYOUT), "stages": [[0, 1]]}, "'stages' must cut layers [0, 2)"),
     ({"token_ids": [1], "layout": {**vars(LAYOUT), "num_layers": 0}}, "greater than or equal to 1"),
     ({"token_ids": [1], "layout": {**vars(LAYOUT), "chunk_size": 16}}, "cluster's chunk size is 256"),
-    ({"token_ids": [1], "layout": {**vars(LAYOUT), "windows": [128]}}, "one window >= 0 per layer (2)"),
+    ({"token_ids": [1], "layout": {**vars(LAYOUT), "windows": [128]}}, "recurrent state) per layer (2)"),
+    ({"token_ids": [1], "layout": {**vars(LAYOUT), "windows": [-1, 0]}}, "gives its 'state_format'"),
+    ({"token_ids": [1], "layout": {**vars(LAYOUT), "state_format": "gdn"}}, "gives its 'state_format', and only it"),
     ({"token_ids": [1] * 300, "layout": vars(LAYOUT),
       "mm_spans": [{"offset": 290, "length": 20, "item_hash": "img"}]}, "ends past the prompt"),
 ])
