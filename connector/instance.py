@@ -87,12 +87,10 @@ class StateGroup:
 
     @classmethod
     def of(cls, index: int, group) -> StateGroup:
-        import torch
         from vllm.model_executor.models.utils import extract_layer_index
 
         spec = group.kv_cache_spec
-        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                 for shape, dtype in zip(spec.shapes, spec.dtypes)]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes)]
         tensors = ";".join(f"{tuple(shape)}:{str(dtype).removeprefix('torch.')}"
                            for shape, dtype in zip(spec.shapes, spec.dtypes))
         conv_layout = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "")

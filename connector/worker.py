@@ -45,6 +45,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -666,19 +667,27 @@ class WorkerSide:
 
     def _put(self, save: _Save, copied=None) -> None:
         """Store the parts of ``save``'s chunks this worker holds."""
-        start = time.perf_counter()
         spec = save.spec
         blocks = spec.blocks or [None] * len(spec.keys)
-        n = sum(len(entry.bufs) for entry in save.parts.values())
-        try:
+
+        def items() -> list[ChunkItem]:
             self.copies.wait_saved(copied)  # on CUDA: the device-to-host copies have landed
-            items = [ChunkItem.of(entry.part.part.key(spec.keys[c]), buf.view(torch.uint8).numpy(), list(buf.shape),
-                                  self.dtype_name, buf.shape[1], spec.namespace)
-                     .with_blocks(blocks[c] if entry.part.part.announces else None)
-                     .with_anchor(self.anchor.key(spec.keys[c]) if entry.part.part.anchored_by(self.anchor) else None)
-                     for entry in save.parts.values() for c, buf in enumerate(entry.bufs, start=entry.first_chunk)]
-            stored = self.client.put_many(items)
-            saved = [item for item, s in zip(items, stored) if s]
+            return [ChunkItem.of(entry.part.part.key(spec.keys[c]), buf.view(torch.uint8).numpy(), list(buf.shape),
+                                 self.dtype_name, buf.shape[1], spec.namespace)
+                    .with_blocks(blocks[c] if entry.part.part.announces else None)
+                    .with_anchor(self.anchor.key(spec.keys[c]) if entry.part.part.anchored_by(self.anchor) else None)
+                    for entry in save.parts.values() for c, buf in enumerate(entry.bufs, start=entry.first_chunk)]
+
+        self._store(items, sum(len(entry.bufs) for entry in save.parts.values()))
+
+    def _store(self, items: Callable[[], list[ChunkItem]], n: int) -> None:
+        """Put the ``n`` chunk parts ``items()`` makes (on the saver thread), counting what was
+        stored and what was dropped."""
+        start = time.perf_counter()
+        try:
+            chunk_items = items()
+            stored = self.client.put_many(chunk_items)
+            saved = [item for item, s in zip(chunk_items, stored) if s]
             self.parts_saved += len(saved)
             self.counters.add(saved_parts=len(saved), saved_bytes=sum(i.nbytes for i in saved),
                               save_seconds=time.perf_counter() - start, failed_saves=n - len(saved))
@@ -697,10 +706,12 @@ class WorkerSide:
 
     def save_states(self, states: list[StateSave]) -> None:
         """Copy each state vLLM handed over this step out of its block (after the forward that
-        computed it, before vLLM can reuse the block) and store it as its chunk's state part."""
+        computed it, before vLLM can reuse the block) and store them as their chunks' state
+        parts (one put, on the saver thread)."""
         part = self._state_part
         if part is None or not states or part.part.head != self.shard.rank:
             return  # (a state every rank holds whole is stored by rank 0)
+        copied: list[tuple[StateSave, np.ndarray]] = []
         for state in states:
             try:
                 buf = np.empty((len(self.state_caches), 1, 1, self.groups.state.nbytes), dtype=np.uint8)
@@ -712,19 +723,11 @@ class WorkerSide:
                 logger.warning("kvring: the recurrent state of block %d cannot be saved (dropped): %s", state.block,
                                exc)
                 continue
-            self._saver.submit(self._put_state, part.part.key(state.key), buf, state.namespace)
-
-    def _put_state(self, key: bytes, buf: np.ndarray, namespace: str) -> None:
-        start = time.perf_counter()
-        try:
-            stored = self.client.put_many([ChunkItem.of(key, buf, list(buf.shape), "uint8", 1, namespace)])[0]
-            self.parts_saved += int(stored)
-            self.counters.add(saved_parts=int(stored), saved_bytes=buf.nbytes if stored else 0,
-                              save_seconds=time.perf_counter() - start, failed_saves=int(not stored))
-        except Exception as exc:
-            self.saves_failed += 1
-            self.counters.add(failed_saves=1, save_seconds=time.perf_counter() - start)
-            logger.warning("kvring save of a recurrent state failed (dropped): %s", exc)
+            copied.append((state, buf))
+        if copied:
+            self._saver.submit(self._store, lambda: [ChunkItem.of(part.part.key(state.key), buf, list(buf.shape),
+                                                                  "uint8", 1, state.namespace)
+                                                     for state, buf in copied], len(copied))
 
     def wait_for_save(self, meta: KVRingMetadata | None = None) -> None:
         # The network part runs in the background (the forward pass never waits on it); the
