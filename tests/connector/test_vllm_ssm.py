@@ -86,6 +86,17 @@ def test_a_model_with_recurrent_state_loads_what_another_instance_stored(etcd_se
         assert c["results"][0]["cached"] == 3 * CHUNK
         assert c["results"][0]["logprobs"] != ref["logprobs"]
 
+        # A state of the wrong size under its key (another writer, a damaged store): unusable,
+        # so the load fails and vLLM recomputes the request, as if nothing were stored.
+        with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
+            assert client.delete([state_key]) == 1
+            short = other[:, :-64].copy()
+            assert client.put_many([ChunkItem.of(state_key, short, [STATE_LAYERS, 1, 1, STATE_BYTES - 64], "uint8",
+                                                 1, saved.meta.namespace)]) == [1]
+        wrong = run_instance(tmp_path, "wrong-size", _spec(qwen3_next, conn, [{"tokens": prompt}]))
+        assert decision_between({}, wrong["steps"][0]["counters"]) == "load failed"
+        assert wrong["results"][0]["cached"] == 0 and wrong["results"][0]["logprobs"] == ref["logprobs"]
+
         # Without a state after chunk 2 no hit ends there, nor anywhere before it (no state was
         # saved at 256 or 512): the prompt is computed, and comes out as the recompute did.
         with ClusterClient(cluster.etcd, cluster=cluster.cluster) as client:
